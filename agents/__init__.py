@@ -1,0 +1,1 @@
+"""Policies, generation engines, losses and learners (imported as ``branchgym.agents``)."""

@@ -1,0 +1,45 @@
+"""branchgym: snapshottable Gymnasium sandboxes and branching rollouts for LLM agents.
+
+``import branchgym`` registers every built-in env under the ``branchgym/`` namespace of
+Gymnasium's registry; ``gym.make("branchgym:branchgym/TreeMDP-v0")`` does the import for
+you. See :mod:`branchgym.core` for the snapshot protocol.
+"""
+
+from __future__ import annotations
+
+from branchgym import error
+from branchgym.core import (
+    LiveSnapshots,
+    Snapshot,
+    SnapshottableEnv,
+    declare_stateless,
+    live_snapshots,
+    register_wrapper_state,
+    restore,
+    snapshot,
+    state_digest,
+)
+from branchgym.envs import register_builtin_envs
+from branchgym.registration import BranchSpec, branch_spec, branch_specs, make, register
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "BranchSpec",
+    "LiveSnapshots",
+    "Snapshot",
+    "SnapshottableEnv",
+    "branch_spec",
+    "branch_specs",
+    "declare_stateless",
+    "error",
+    "live_snapshots",
+    "make",
+    "register",
+    "register_wrapper_state",
+    "restore",
+    "snapshot",
+    "state_digest",
+]
+
+register_builtin_envs()

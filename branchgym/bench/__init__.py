@@ -1,0 +1,15 @@
+"""``branchgym bench``: one study per module, each writing a markdown report and PNG plots.
+
+A study module has ``configure(parser)`` (its options) and ``main(args) -> exit code``.
+:data:`STUDIES` maps the study name to its module; studies load lazily, so one study's
+optional dependencies never slow down or break another.
+"""
+
+from __future__ import annotations
+
+#: study name -> (module, one-line description)
+STUDIES: dict[str, tuple[str, str]] = {
+    "snapshot": ("branchgym.bench.snapshot", "snapshot/restore cost and bytes per env, vs replay"),
+}
+
+__all__ = ["STUDIES"]

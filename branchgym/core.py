@@ -1,0 +1,796 @@
+"""The snapshot protocol: :class:`Snapshot`, :class:`SnapshottableEnv` and the wrapper stack.
+
+Two operators carry every guarantee of the branching learners (spec/ALGORITHMS.md,
+section 0): ``snap: S -> Sigma`` and ``rest: Sigma -> S``, with ``rest(snap(s))``
+behaving exactly like ``s``. This module defines them for Gymnasium:
+
+* :class:`Snapshot` is the opaque handle. It knows which env spec took it, at which step,
+  how (``kind``), how big it is and whether it pickles; it is released explicitly or by
+  context manager, and a released snapshot cannot be restored.
+* :class:`SnapshottableEnv` is the environment side. Implement ``_get_state`` and
+  ``_set_state`` (or override ``snapshot``/``restore`` for external resources).
+* :func:`snapshot`, :func:`restore` and :func:`state_digest` work on a whole wrapper stack
+  as ``gym.make`` returns it: the state of Gymnasium's stateful wrappers (TimeLimit's step
+  counter, OrderEnforcing, RecordEpisodeStatistics, ...) is part of the snapshot, and a
+  wrapper whose state is unknown makes ``snapshot`` fail loudly.
+* :class:`SnapshotAPI` is the outermost wrapper branchgym's registrations add, so that
+  ``env.snapshot()`` works directly on what ``gym.make`` returns.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import hashlib
+import pickle
+import threading
+import weakref
+from collections.abc import Callable
+from typing import Any, ClassVar, Generic, TypeVar
+
+import gymnasium as gym
+import numpy as np
+
+from branchgym.digest import stable_hash
+from branchgym.error import (
+    SnapshotCorruptError,
+    SnapshotMismatchError,
+    SnapshotNotPicklableError,
+    SnapshotNotSupportedError,
+    SnapshotReleasedError,
+    UnsnapshottableWrapperError,
+)
+
+__all__ = [
+    "Snapshot",
+    "StackSnapshot",
+    "SnapshottableEnv",
+    "SnapshotWrapper",
+    "SnapshotAPI",
+    "snapshot",
+    "restore",
+    "state_digest",
+    "register_wrapper_state",
+    "declare_stateless",
+    "live_snapshots",
+    "LiveSnapshots",
+    "SNAPSHOT_KINDS",
+]
+
+ObsType = TypeVar("ObsType")
+ActType = TypeVar("ActType")
+
+#: Known snapshot kinds, cheapest restore first. ``replay`` costs grow with depth.
+SNAPSHOT_KINDS = ("state", "pickle", "overlay", "git", "container", "pddl", "replay")
+
+
+# --------------------------------------------------------------------------- snapshots
+
+_LIVE: weakref.WeakSet[Snapshot] = weakref.WeakSet()
+
+
+@dataclasses.dataclass(frozen=True)
+class LiveSnapshots:
+    """How many snapshots are alive (not released, not garbage-collected) and their bytes."""
+
+    count: int
+    nbytes: int
+
+
+def live_snapshots() -> LiveSnapshots:
+    """Count the unreleased snapshots of this process (stack views are not double-counted)."""
+    snaps = [s for s in list(_LIVE) if not s.released]
+    return LiveSnapshots(len(snaps), sum(s.nbytes for s in snaps))
+
+
+def _run_release(callback: Callable[[Any], None] | None, payload: Any) -> None:
+    if callback is not None:
+        callback(payload)
+
+
+def _verify_bytes(blob: bytes, checksum: str) -> Any:
+    if hashlib.sha256(blob).hexdigest() != checksum:
+        raise SnapshotCorruptError(
+            "snapshot payload failed its checksum: the bytes were changed after the snapshot "
+            "was pickled. Take a new snapshot; do not edit or truncate stored snapshots."
+        )
+    try:
+        return pickle.loads(blob)
+    except Exception as exc:  # pragma: no cover - checksum makes this unreachable in practice
+        raise SnapshotCorruptError(f"snapshot payload cannot be unpickled ({exc}).") from exc
+
+
+class Snapshot:
+    """An opaque handle on a saved environment state.
+
+    Attributes:
+        env_id: Id of the env spec that took it (``branchgym/TreeMDP-v0``).
+        spec_hash: Stable hash of the spec's kwargs; restore checks it.
+        step: Steps taken in the episode when the snapshot was taken.
+        kind: How the state is held: ``state`` (an in-memory copy of a small state
+            object), ``pickle``, ``replay`` (reset + actions, cost grows with depth),
+            ``overlay``, ``git``, ``container``, ``pddl``; envs may qualify it
+            (``state+fast``).
+        picklable: Whether ``pickle.dumps`` works and the result restores in any
+            instance built from the same spec, in any process.
+
+    Use it as a context manager, or call :meth:`release` as soon as its siblings are done:
+    a snapshot may own external resources (overlay dirs, images, containers).
+    """
+
+    _counted: ClassVar[bool] = True
+
+    def __init__(
+        self,
+        *,
+        env_id: str,
+        spec_hash: str,
+        step: int,
+        kind: str,
+        payload: Any,
+        picklable: bool,
+        nbytes: int | Callable[[], int] | None = None,
+        on_release: Callable[[Any], None] | None = None,
+        meta: dict[str, Any] | None = None,
+    ) -> None:
+        """Create a handle; env implementations call this, users never need to."""
+        self.env_id = env_id
+        self.spec_hash = spec_hash
+        self.step = int(step)
+        self.kind = kind
+        self.picklable = bool(picklable)
+        self.meta: dict[str, Any] = dict(meta or {})
+        self._payload = payload
+        self._blob: tuple[bytes, str] | None = None  # (bytes, sha256) after unpickling
+        self._nbytes = nbytes
+        self._released = False
+        self._lock = threading.Lock()
+        self._finalizer = (
+            weakref.finalize(self, _run_release, on_release, payload) if on_release else None
+        )
+        if self._counted:
+            _LIVE.add(self)
+
+    # -- lifecycle ----------------------------------------------------------------
+    @property
+    def released(self) -> bool:
+        """True once :meth:`release` ran."""
+        return self._released
+
+    def release(self) -> None:
+        """Free the snapshot and any resource it owns. Idempotent."""
+        with self._lock:
+            if self._released:
+                return
+            self._released = True
+            self._payload = None
+            self._blob = None
+        if self._finalizer is not None:
+            self._finalizer()  # runs on_release exactly once
+        _LIVE.discard(self)
+
+    def __enter__(self) -> Snapshot:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.release()
+
+    # -- payload --------------------------------------------------------------------
+    @property
+    def payload(self) -> Any:
+        """The env-specific saved state. Raises if released or damaged."""
+        if self._released:
+            raise SnapshotReleasedError(
+                f"this {self.kind!r} snapshot of {self.env_id} (step {self.step}) was released; "
+                "take a new snapshot, or release snapshots only after their last restore."
+            )
+        if self._blob is not None:
+            blob, checksum = self._blob
+            self._payload = _verify_bytes(blob, checksum)
+            self._blob = None
+        return self._payload
+
+    @property
+    def nbytes(self) -> int:
+        """Approximate size of the saved state in bytes (pickled size unless the env says)."""
+        if self._released:
+            return 0
+        if callable(self._nbytes):
+            self._nbytes = int(self._nbytes())
+        if self._nbytes is None:
+            if self._blob is not None:
+                self._nbytes = len(self._blob[0])
+            else:
+                try:
+                    self._nbytes = len(pickle.dumps(self._payload, protocol=5))
+                except Exception:
+                    self._nbytes = 0
+        return int(self._nbytes)
+
+    # -- pickling -----------------------------------------------------------------
+    def __reduce__(self):
+        if self._released:
+            raise SnapshotReleasedError(
+                f"cannot pickle a released snapshot of {self.env_id}; pickle it before release()."
+            )
+        if not self.picklable:
+            raise SnapshotNotPicklableError(
+                f"a {self.kind!r} snapshot of {self.env_id} owns live resources and cannot be "
+                "pickled; restore it in this process, or use the env's portable snapshot mode."
+            )
+        if self._blob is not None:
+            blob, checksum = self._blob
+        else:
+            blob = pickle.dumps(self._payload, protocol=5)
+            checksum = hashlib.sha256(blob).hexdigest()
+        header = (self.env_id, self.spec_hash, self.step, self.kind, self.meta)
+        return (_rebuild_snapshot, (type(self), header, blob, checksum))
+
+    def to_bytes(self) -> bytes:
+        """Serialise (picklable snapshots only), with an integrity header."""
+        body = pickle.dumps(self, protocol=5)
+        return _MAGIC + hashlib.sha256(body).digest() + body
+
+    @staticmethod
+    def from_bytes(data: bytes) -> Snapshot:
+        """Inverse of :meth:`to_bytes`; damaged bytes raise :class:`SnapshotCorruptError`."""
+        if not isinstance(data, bytes | bytearray | memoryview):
+            raise SnapshotCorruptError(
+                f"expected the bytes from Snapshot.to_bytes(), got {type(data).__name__}"
+            )
+        data = bytes(data)
+        if not data.startswith(_MAGIC) or len(data) < len(_MAGIC) + 32:
+            raise SnapshotCorruptError(
+                "these bytes are not a branchgym snapshot (bad header); pass the exact output "
+                "of Snapshot.to_bytes()."
+            )
+        digest, body = data[len(_MAGIC) : len(_MAGIC) + 32], data[len(_MAGIC) + 32 :]
+        if hashlib.sha256(body).digest() != digest:
+            raise SnapshotCorruptError(
+                "snapshot bytes failed their checksum (truncated or modified); take a new "
+                "snapshot or restore from an intact copy."
+            )
+        try:
+            snap = pickle.loads(body)
+        except Exception as exc:
+            raise SnapshotCorruptError(f"snapshot bytes cannot be unpickled: {exc}") from exc
+        if not isinstance(snap, Snapshot):
+            raise SnapshotCorruptError(f"bytes hold a {type(snap).__name__}, not a Snapshot")
+        return snap
+
+    def __repr__(self) -> str:
+        state = "released" if self._released else f"{self.nbytes} B"
+        return f"<Snapshot {self.env_id} step={self.step} kind={self.kind} {state}>"
+
+
+_MAGIC = b"BGSNAP1\x00"
+
+
+def _rebuild_snapshot(cls: type[Snapshot], header: tuple, blob: bytes, checksum: str) -> Snapshot:
+    env_id, spec_hash, step, kind, meta = header
+    snap = cls.__new__(cls)
+    Snapshot.__init__(
+        snap,
+        env_id=env_id,
+        spec_hash=spec_hash,
+        step=step,
+        kind=kind,
+        payload=None,
+        picklable=True,
+        nbytes=len(blob),
+        meta=meta,
+    )
+    snap._blob = (blob, checksum)  # verified lazily, at first use of .payload
+    return snap
+
+
+class StackSnapshot(Snapshot):
+    """A snapshot of a wrapper stack: wrapper states (outer to inner) over an inner snapshot.
+
+    Its metadata are the inner snapshot's; releasing it releases the inner one.
+    """
+
+    _counted = False  # the inner snapshot is the one counted as live
+
+    def __init__(self, inner: Snapshot, layers: tuple[tuple[str, Any], ...]) -> None:
+        """Wrap ``inner`` with the captured ``layers`` (``(class path, state)`` pairs)."""
+        super().__init__(
+            env_id=inner.env_id,
+            spec_hash=inner.spec_hash,
+            step=inner.step,
+            kind=inner.kind,
+            payload=(layers, inner),
+            picklable=inner.picklable,
+            nbytes=lambda: inner.nbytes,
+            meta=inner.meta,
+        )
+
+    @property
+    def inner(self) -> Snapshot:
+        """The snapshot of the innermost snapshot-capable layer."""
+        return self.payload[1]
+
+    @property
+    def layers(self) -> tuple[tuple[str, Any], ...]:
+        """``(wrapper class path, captured state)`` from outermost to innermost."""
+        return self.payload[0]
+
+    def release(self) -> None:
+        """Release the stack view and its inner snapshot."""
+        try:
+            inner = None if self._released else self.payload[1]
+        except SnapshotCorruptError:
+            inner = None
+        super().release()
+        if inner is not None:
+            inner.release()
+
+
+# ------------------------------------------------------------------------ env protocol
+
+
+class SnapshottableEnv(gym.Env[ObsType, ActType], Generic[ObsType, ActType]):
+    """A Gymnasium env whose state can be saved and restored.
+
+    Implement either the two small hooks:
+
+    * ``_get_state() -> state``: a value that shares nothing mutable with the live env,
+    * ``_set_state(state) -> (obs, info)``: load it and return the observation and info
+      of that state,
+
+    and the base class does the rest (spec checks, the env's ``np_random`` state, the
+    :class:`Snapshot` handle, a default ``state_digest``), or override :meth:`snapshot`
+    and :meth:`restore` when the state lives outside Python (files, containers) using
+    :meth:`_new_snapshot` and :meth:`_open_snapshot`.
+
+    A snapshot restores into any instance built from the same spec, not only the one
+    that took it.
+    """
+
+    #: How snapshots of this env are held; see :class:`Snapshot`.
+    snapshot_kind: ClassVar[str] = "state"
+    #: Whether snapshots pickle (and so travel between processes).
+    snapshot_picklable: ClassVar[bool] = True
+    #: Include ``np_random``'s bit-generator state in snapshots (exact mode).
+    snapshot_includes_rng: ClassVar[bool] = True
+    #: ``info`` keys whose values legitimately differ between runs (timings).
+    volatile_info_keys: ClassVar[tuple[str, ...]] = ()
+    #: Env id used when the env was built directly rather than through ``gym.make``.
+    default_env_id: ClassVar[str | None] = None
+
+    #: Steps taken in the current episode; envs increment it in ``step``.
+    step_index: int = 0
+
+    # -- hooks for implementers -----------------------------------------------------
+    def _get_state(self) -> Any:
+        raise SnapshotNotSupportedError(
+            f"{type(self).__name__} does not implement snapshots: define _get_state() and "
+            "_set_state(state), or override snapshot()/restore(); for envs you cannot change, "
+            "wrap them in branchgym.wrappers.PickleSnapshot or ReplaySnapshot."
+        )
+
+    def _set_state(self, state: Any) -> tuple[ObsType, dict[str, Any]]:
+        raise SnapshotNotSupportedError(
+            f"{type(self).__name__} does not implement _set_state(state); see SnapshottableEnv."
+        )
+
+    def _snapshot_config(self) -> Any:
+        """What makes two instances interchangeable for snapshots (default: spec kwargs)."""
+        return dict(self.spec.kwargs) if self.spec is not None else {}
+
+    # -- identity ---------------------------------------------------------------------
+    def snapshot_identity(self) -> tuple[str, str]:
+        """``(env_id, spec_hash)`` that a snapshot must match to restore here."""
+        cached = self.__dict__.get("_bg_identity")
+        spec = self.spec
+        if cached is not None and cached[0] is spec:
+            return cached[1]
+        env_id = (
+            spec.id
+            if spec is not None
+            else (self.default_env_id or f"{type(self).__module__}:{type(self).__qualname__}")
+        )
+        config = self._snapshot_config()
+        try:
+            spec_hash = stable_hash(config)
+        except TypeError:
+            spec_hash = stable_hash(repr(config))
+        self.__dict__["_bg_identity"] = (spec, (env_id, spec_hash))
+        return env_id, spec_hash
+
+    # -- the protocol -------------------------------------------------------------------
+    def snapshot(self) -> Snapshot:
+        """Save the current state. The live env can go on stepping; the snapshot won't change."""
+        state = self._get_state()
+        rng = self._rng_state() if self.snapshot_includes_rng else None
+        return self._new_snapshot((state, rng))
+
+    def restore(self, snapshot: Snapshot) -> tuple[ObsType, dict[str, Any]]:
+        """Bring back the state ``snapshot`` holds; returns its observation and info."""
+        state, rng = self._open_snapshot(snapshot)
+        obs, info = self._set_state(copy.deepcopy(state) if self._restore_copies else state)
+        if rng is not None:
+            self._set_rng_state(rng)
+        return obs, info
+
+    def state_digest(self) -> str:
+        """A stable hash of everything that determines future behaviour."""
+        rng = self._rng_state() if self.snapshot_includes_rng else None
+        return stable_hash(type(self).__qualname__, self._get_state(), rng)
+
+    #: Deep-copy the state on restore so the snapshot survives being restored into an env
+    #: that then mutates it. Envs whose ``_set_state`` copies (or whose state is immutable)
+    #: turn this off for speed.
+    _restore_copies: ClassVar[bool] = True
+
+    # -- helpers for implementers -------------------------------------------------------
+    def _new_snapshot(
+        self,
+        payload: Any,
+        *,
+        kind: str | None = None,
+        picklable: bool | None = None,
+        nbytes: int | Callable[[], int] | None = None,
+        on_release: Callable[[Any], None] | None = None,
+        meta: dict[str, Any] | None = None,
+    ) -> Snapshot:
+        """Wrap ``payload`` in a :class:`Snapshot` stamped with this env's identity."""
+        env_id, spec_hash = self.snapshot_identity()
+        return Snapshot(
+            env_id=env_id,
+            spec_hash=spec_hash,
+            step=self.step_index,
+            kind=kind or self.snapshot_kind,
+            picklable=self.snapshot_picklable if picklable is None else picklable,
+            payload=payload,
+            nbytes=nbytes,
+            on_release=on_release,
+            meta=meta,
+        )
+
+    def _open_snapshot(self, snapshot: Any) -> Any:
+        """Check that ``snapshot`` belongs here and return its payload."""
+        if not isinstance(snapshot, Snapshot):
+            raise SnapshotMismatchError(
+                f"restore() takes a branchgym Snapshot, got {type(snapshot).__name__}; "
+                "pass the object env.snapshot() returned (or Snapshot.from_bytes(data))."
+            )
+        if isinstance(snapshot, StackSnapshot):
+            raise SnapshotMismatchError(
+                f"this snapshot was taken over a wrapper stack "
+                f"({', '.join(p.rsplit('.', 1)[-1] for p, _ in snapshot.layers)}); restore it "
+                "with branchgym.restore(env, snap) on a stack built the same way, not on the "
+                "bare env."
+            )
+        payload = snapshot.payload  # raises if released or corrupt
+        env_id, spec_hash = self.snapshot_identity()
+        if snapshot.env_id != env_id or snapshot.spec_hash != spec_hash:
+            what = "env id" if snapshot.env_id != env_id else "spec kwargs"
+            raise SnapshotMismatchError(
+                f"snapshot of {snapshot.env_id} [{snapshot.spec_hash[:8]}] cannot restore into "
+                f"{env_id} [{spec_hash[:8]}]: the {what} differ. Restore into an env made with "
+                "the same id and kwargs."
+            )
+        return payload
+
+    def _rng_state(self) -> dict[str, Any] | None:
+        rng = self.__dict__.get("_np_random")
+        return copy.deepcopy(rng.bit_generator.state) if rng is not None else None
+
+    def _set_rng_state(self, state: dict[str, Any]) -> None:
+        rng = self.__dict__.get("_np_random")
+        if rng is None or type(rng.bit_generator).__name__ != state.get("bit_generator"):
+            bitgen = getattr(np.random, state["bit_generator"])()
+            rng = np.random.Generator(bitgen)
+            self._np_random = rng
+        rng.bit_generator.state = copy.deepcopy(state)
+
+
+# -------------------------------------------------------------------- wrapper handlers
+
+
+def _apply_observation(wrapper: gym.Wrapper, obs: Any) -> Any:
+    return wrapper.observation(obs)  # type: ignore[attr-defined]
+
+
+@dataclasses.dataclass(frozen=True)
+class _WrapperState:
+    attrs: tuple[str, ...] = ()
+    volatile: tuple[str, ...] = ()
+    observe: Callable[[gym.Wrapper, Any], Any] | None = None
+
+
+_HANDLERS: dict[type, _WrapperState] = {}
+
+
+def register_wrapper_state(
+    cls: type[gym.Wrapper],
+    attrs: tuple[str, ...] = (),
+    *,
+    volatile: tuple[str, ...] = (),
+    observe: Callable[[gym.Wrapper, Any], Any] | None = None,
+) -> None:
+    """Teach branchgym how to capture the state of a wrapper class.
+
+    Args:
+        cls: The wrapper class (matched exactly, not subclasses: a subclass may add state).
+        attrs: Attribute names deep-copied into the snapshot and back on restore.
+        volatile: The subset of ``attrs`` left out of ``state_digest`` (wall-clock times).
+        observe: For observation wrappers, ``observe(wrapper, inner_obs) -> obs`` computes
+            the outer observation after restore. Default for an ``ObservationWrapper``:
+            ``wrapper.observation(inner_obs)``, right only if that call is pure once the
+            attributes are restored.
+    """
+    if observe is None and issubclass(cls, gym.ObservationWrapper):
+        observe = _apply_observation
+    _HANDLERS[cls] = _WrapperState(tuple(attrs), tuple(volatile), observe)
+
+
+def declare_stateless(*classes: type[gym.Wrapper]) -> None:
+    """Declare wrappers that hold no state affecting future behaviour."""
+    for cls in classes:
+        register_wrapper_state(cls, ())
+
+
+def _handler(wrapper: gym.Wrapper) -> _WrapperState:
+    cls = type(wrapper)
+    h = _HANDLERS.get(cls)
+    if h is not None:
+        return h
+    declared = cls.__dict__.get("branchgym_state_attrs")
+    if declared is not None:
+        register_wrapper_state(cls, tuple(declared))
+        return _HANDLERS[cls]
+    raise UnsnapshottableWrapperError(
+        f"wrapper {cls.__module__}.{cls.__qualname__} holds state branchgym does not know how "
+        "to snapshot. Declare it: give the class `branchgym_state_attrs = (...)` (attribute "
+        "names to copy; `()` if stateless), or call branchgym.register_wrapper_state("
+        f"{cls.__qualname__}, attrs=...) / branchgym.declare_stateless({cls.__qualname__})."
+    )
+
+
+def _path(cls: type) -> str:
+    return f"{cls.__module__}.{cls.__qualname__}"
+
+
+def _frame_stack_observe(wrapper: Any, obs: Any) -> Any:
+    from gymnasium.vector.utils import concatenate
+
+    return copy.deepcopy(
+        concatenate(wrapper.env.observation_space, wrapper.obs_queue, wrapper.stacked_obs)
+    )
+
+
+def _normalize_obs_observe(wrapper: Any, obs: Any) -> Any:
+    update = wrapper._update_running_mean
+    wrapper._update_running_mean = False
+    try:
+        return wrapper.observation(obs)
+    finally:
+        wrapper._update_running_mean = update
+
+
+def _register_gymnasium_wrappers() -> None:
+    w = gym.wrappers
+    register_wrapper_state(w.TimeLimit, ("_elapsed_steps",))
+    register_wrapper_state(w.OrderEnforcing, ("_has_reset",))
+    register_wrapper_state(
+        w.PassiveEnvChecker,
+        ("checked_reset", "checked_step", "checked_render", "checked_data_reuse", "_previous_data"),
+        volatile=(
+            "checked_reset",
+            "checked_step",
+            "checked_render",
+            "checked_data_reuse",
+            "_previous_data",
+        ),
+    )
+    register_wrapper_state(
+        w.RecordEpisodeStatistics,
+        (
+            "episode_count",
+            "episode_start_time",
+            "episode_returns",
+            "episode_lengths",
+            "time_queue",
+            "return_queue",
+            "length_queue",
+        ),
+        volatile=("episode_start_time", "time_queue"),
+    )
+    register_wrapper_state(w.Autoreset, ("autoreset",))
+    register_wrapper_state(
+        w.StickyAction, ("last_action", "is_sticky_actions", "num_repeats", "repeats_taken")
+    )
+    register_wrapper_state(w.TimeAwareObservation, ("timesteps",))
+    register_wrapper_state(
+        w.FrameStackObservation,
+        ("obs_queue", "stacked_obs", "padding_value"),
+        observe=_frame_stack_observe,
+    )
+    register_wrapper_state(
+        w.NormalizeObservation,
+        ("obs_rms", "_update_running_mean"),
+        observe=_normalize_obs_observe,
+    )
+    register_wrapper_state(
+        w.NormalizeReward, ("return_rms", "discounted_reward", "_update_running_mean")
+    )
+    register_wrapper_state(w.MaxAndSkipObservation, ("_obs_buffer",))
+    declare_stateless(
+        w.TransformObservation,
+        w.FilterObservation,
+        w.FlattenObservation,
+        w.GrayscaleObservation,
+        w.ResizeObservation,
+        w.ReshapeObservation,
+        w.RescaleObservation,
+        w.DtypeObservation,
+        w.TransformAction,
+        w.ClipAction,
+        w.RescaleAction,
+        w.TransformReward,
+        w.ClipReward,
+        w.RepeatAction,
+        w.HumanRendering,
+        w.AddWhiteNoise,
+        w.ObstructView,
+    )
+    for name in ("DiscretizeAction", "DiscretizeObservation"):
+        if hasattr(w, name):
+            declare_stateless(getattr(w, name))
+    # Deliberately unknown (snapshot() raises): RecordVideo and RenderCollection keep
+    # recorded frames; DelayObservation's current output is not recoverable from its queue.
+
+
+# ----------------------------------------------------------------- stack operations
+
+
+def _owns_snapshots(env: Any) -> bool:
+    return isinstance(env, SnapshottableEnv | SnapshotWrapper)
+
+
+def _walk(env: gym.Env) -> tuple[list[gym.Wrapper], Any]:
+    """Split a stack into (wrappers to capture, outer to inner) and the snapshot owner."""
+    wrappers: list[gym.Wrapper] = []
+    e: Any = env
+    while not _owns_snapshots(e):
+        if isinstance(e, gym.Wrapper):
+            wrappers.append(e)
+            e = e.env
+            continue
+        raise SnapshotNotSupportedError(
+            f"{type(e).__name__} does not implement branchgym's snapshot protocol. Make it a "
+            "branchgym.SnapshottableEnv, or wrap it: branchgym.wrappers.PickleSnapshot(env) "
+            "(deep copy, fast) or branchgym.wrappers.ReplaySnapshot(env) (reset + replay)."
+        )
+    return wrappers, e
+
+
+def snapshot(env: gym.Env) -> Snapshot:
+    """Snapshot a whole wrapper stack (``gym.make`` output, or any stack of wrappers).
+
+    Raises:
+        UnsnapshottableWrapperError: a wrapper with unknown state is in the stack.
+        SnapshotNotSupportedError: nothing in the stack implements snapshots.
+    """
+    wrappers, owner = _walk(env)
+    layers = tuple((_path(type(w)), _capture(w)) for w in wrappers if _handler(w).attrs)
+    inner = owner.snapshot()
+    if not wrappers:
+        return inner
+    return StackSnapshot(inner, layers)
+
+
+def _walk_wrappers(env: gym.Env) -> list[gym.Wrapper]:
+    """Every wrapper from ``env`` down to the base env; unknown ones raise."""
+    out: list[gym.Wrapper] = []
+    e: Any = env
+    while isinstance(e, gym.Wrapper):
+        _handler(e)
+        out.append(e)
+        e = e.env
+    return out
+
+
+def _capture(wrapper: gym.Wrapper) -> dict[str, Any]:
+    return {a: copy.deepcopy(getattr(wrapper, a)) for a in _handler(wrapper).attrs}
+
+
+def restore(env: gym.Env, snap: Snapshot) -> tuple[Any, dict[str, Any]]:
+    """Restore a snapshot taken by :func:`snapshot` on a stack built the same way.
+
+    Returns:
+        The observation and info of the restored state, as the outermost wrapper shows them.
+    """
+    if not isinstance(snap, Snapshot):
+        raise SnapshotMismatchError(
+            f"restore() takes a branchgym Snapshot, got {type(snap).__name__}; pass what "
+            "branchgym.snapshot(env) returned."
+        )
+    wrappers, owner = _walk(env)
+    for w in wrappers:
+        _handler(w)  # unknown wrappers fail before anything changes
+    stateful = [w for w in wrappers if _handler(w).attrs]
+    if isinstance(snap, StackSnapshot):
+        layers, inner = snap.layers, snap.inner
+    else:
+        layers, inner = (), snap
+    want = [p for p, _ in layers]
+    have = [_path(type(w)) for w in stateful]
+    if want != have:
+        raise SnapshotMismatchError(
+            f"snapshot was taken over wrappers {want or '[]'} but this stack has {have or '[]'}; "
+            "restore into an env built the same way (same gym.make arguments and wrappers)."
+        )
+    obs, info = owner.restore(inner)
+    for w, (_, state) in zip(stateful, layers, strict=True):
+        for name, value in state.items():
+            setattr(w, name, copy.deepcopy(value))
+    for w in reversed(wrappers):  # inner to outer, as step() would transform
+        observe = _handler(w).observe
+        if observe is not None:
+            obs = observe(w, obs)
+    return obs, info
+
+
+def state_digest(env: gym.Env) -> str:
+    """Stable hash of the whole stack's behaviour-relevant state (wrappers included)."""
+    wrappers, owner = _walk(env)
+    parts = []
+    for w in wrappers:
+        h = _handler(w)
+        parts.append((_path(type(w)), {a: getattr(w, a) for a in h.attrs if a not in h.volatile}))
+    return stable_hash(parts, owner.state_digest())
+
+
+# ------------------------------------------------------------------------- wrappers
+
+
+class SnapshotWrapper(gym.Wrapper[ObsType, ActType, ObsType, ActType]):
+    """Base of branchgym wrappers that own the snapshot of everything below them.
+
+    Subclasses (``PickleSnapshot``, ``ReplaySnapshot``, ``FidelityCheck``) implement
+    :meth:`snapshot`, :meth:`restore` and :meth:`state_digest` for their inner stack.
+    """
+
+    def snapshot(self) -> Snapshot:  # pragma: no cover - abstract
+        """Snapshot this wrapper and everything it wraps."""
+        raise NotImplementedError
+
+    def restore(self, snapshot: Snapshot) -> tuple[ObsType, dict[str, Any]]:  # pragma: no cover
+        """Restore this wrapper and everything it wraps."""
+        raise NotImplementedError
+
+    def state_digest(self) -> str:  # pragma: no cover - abstract
+        """Stable hash of this wrapper's and its inner stack's state."""
+        raise NotImplementedError
+
+
+class SnapshotAPI(gym.Wrapper[ObsType, ActType, ObsType, ActType], gym.utils.RecordConstructorArgs):
+    """Outermost wrapper added by branchgym registrations: ``env.snapshot()`` on ``gym.make``.
+
+    It is stateless and forwards on purpose: ``snapshot()``, ``restore()`` and
+    ``state_digest()`` act on the whole stack beneath it (TimeLimit included).
+    """
+
+    def __init__(self, env: gym.Env[ObsType, ActType]) -> None:
+        """Wrap ``env``."""
+        gym.utils.RecordConstructorArgs.__init__(self)
+        gym.Wrapper.__init__(self, env)
+
+    def snapshot(self) -> Snapshot:
+        """Snapshot the whole stack."""
+        return snapshot(self.env)
+
+    def restore(self, snapshot: Snapshot) -> tuple[ObsType, dict[str, Any]]:
+        """Restore the whole stack."""
+        return restore(self.env, snapshot)
+
+    def state_digest(self) -> str:
+        """Digest of the whole stack."""
+        return state_digest(self.env)
+
+
+_register_gymnasium_wrappers()
+declare_stateless(SnapshotAPI)

@@ -1,0 +1,25 @@
+"""Built-in environments. Importing :mod:`branchgym` registers them under ``branchgym/``.
+
+Registration must stay cheap: entry points are strings, so heavy adapters (WebShop's
+index, ALFWorld's planner, Docker) load only when an env is made.
+"""
+
+from __future__ import annotations
+
+from branchgym.registration import register
+
+__all__ = ["register_builtin_envs"]
+
+
+def register_builtin_envs() -> None:
+    """Register every env this package ships (called once by ``import branchgym``)."""
+    register(
+        "branchgym/TreeMDP-v0",
+        "branchgym.envs.toy.tree_mdp:TreeMDP",
+        description="finite stochastic tree MDP with exact V, Q and Var(G) (discrete)",
+    )
+    register(
+        "branchgym/TextTreeMDP-v0",
+        "branchgym.envs.toy.text_tree_mdp:TextTreeMDP",
+        description="TreeMDP as a text maze for LLM policies (admissible actions in info)",
+    )

@@ -1,0 +1,96 @@
+"""The flat family of errors branchgym raises.
+
+Every message says what to do about it. All errors derive from :class:`Error`, so
+``except branchgym.error.Error`` catches anything this package raises on purpose.
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "Error",
+    "UnknownEnvError",
+    "RegistrationError",
+    "SnapshotError",
+    "SnapshotNotSupportedError",
+    "SnapshotReleasedError",
+    "SnapshotMismatchError",
+    "SnapshotCorruptError",
+    "SnapshotNotPicklableError",
+    "UnsnapshottableWrapperError",
+    "ResetNeededError",
+    "InvalidActionError",
+    "DataError",
+    "FidelityViolation",
+    "DependencyMissingError",
+]
+
+
+class Error(Exception):
+    """Base class of every error raised by branchgym."""
+
+
+class UnknownEnvError(Error, KeyError):
+    """An environment id is not registered."""
+
+    def __str__(self) -> str:  # KeyError quotes its message; keep it readable.
+        return str(self.args[0]) if self.args else ""
+
+
+class RegistrationError(Error, ValueError):
+    """A registration call is malformed (bad id, bad snapshot declaration)."""
+
+
+class SnapshotError(Error):
+    """Base class of snapshot and restore failures."""
+
+
+class SnapshotNotSupportedError(SnapshotError, NotImplementedError):
+    """The environment (or a layer of its wrapper stack) cannot take snapshots."""
+
+
+class SnapshotReleasedError(SnapshotError):
+    """A snapshot was used after :meth:`Snapshot.release`."""
+
+
+class SnapshotMismatchError(SnapshotError, ValueError):
+    """A snapshot was restored into an environment built from another spec or wrapper stack."""
+
+
+class SnapshotCorruptError(SnapshotError, ValueError):
+    """A snapshot's bytes or payload are damaged and cannot be restored."""
+
+
+class SnapshotNotPicklableError(SnapshotError, TypeError):
+    """A snapshot that owns live resources was pickled."""
+
+
+class UnsnapshottableWrapperError(SnapshotError):
+    """A wrapper in the stack holds state branchgym does not know how to capture."""
+
+
+class ResetNeededError(Error, RuntimeError):
+    """``step``/``snapshot`` was called before ``reset``."""
+
+
+class InvalidActionError(Error, ValueError):
+    """An action is not an element of the action space (non-text environments)."""
+
+
+class DataError(Error, ValueError):
+    """A data file is missing, unreadable or malformed."""
+
+
+class FidelityViolation(SnapshotError, AssertionError):
+    """A restored state behaves differently from the state that was snapshotted."""
+
+
+class DependencyMissingError(Error, ImportError):
+    """An optional dependency (an extra) is needed for this feature."""
+
+    @classmethod
+    def for_extra(cls, what: str, extra: str, module: str) -> DependencyMissingError:
+        """Build the standard message naming the pip extra that provides ``module``."""
+        return cls(
+            f"{what} needs the optional dependency {module!r}. "
+            f"Install it with: pip install 'branchgym[{extra}]'"
+        )

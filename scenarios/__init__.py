@@ -1,0 +1,1 @@
+"""Injected-nondeterminism scenarios (imported as ``branchgym.scenarios``)."""

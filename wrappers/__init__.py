@@ -1,0 +1,10 @@
+"""Wrappers (imported as ``branchgym.wrappers``): snapshot strategies and fidelity checks.
+
+* :class:`PickleSnapshot` makes any Gymnasium env snapshottable by copying its state.
+* :class:`ReplaySnapshot` does it by resetting with the recorded seed and replaying actions.
+"""
+
+from branchgym.wrappers.pickle_snapshot import PickleSnapshot
+from branchgym.wrappers.replay_snapshot import ReplaySnapshot
+
+__all__ = ["PickleSnapshot", "ReplaySnapshot"]

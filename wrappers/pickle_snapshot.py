@@ -1,0 +1,163 @@
+"""PickleSnapshot: make any Gymnasium env snapshottable by pickling its state.
+
+The snapshot holds the base env's attributes (its ``np_random`` generator included, so
+stochastic envs continue identically) and the state of every wrapper between this one
+and the base env, pickled once at snapshot time. Restoring unpickles a fresh copy, so a
+snapshot can be restored any number of times, into any instance made from the same
+spec, in any process.
+"""
+
+from __future__ import annotations
+
+import copy
+import hashlib
+import pickle
+from typing import Any
+
+import gymnasium as gym
+from branchgym.wrappers._identity import stack_identity
+
+from branchgym.core import Snapshot, SnapshotWrapper, _capture, _handler, _walk_wrappers
+from branchgym.digest import stable_hash
+from branchgym.error import ResetNeededError, SnapshotCorruptError, SnapshotMismatchError
+
+__all__ = ["PickleSnapshot"]
+
+#: Attributes of the base env that are configuration or rendering, not state.
+DEFAULT_EXCLUDE = (
+    "observation_space",
+    "action_space",
+    "spec",
+    "metadata",
+    "render_mode",
+    "screen",
+    "clock",
+    "window",
+    "viewer",
+    "_bg_identity",
+)
+
+
+def _dumps(obj: Any) -> bytes:
+    try:
+        return pickle.dumps(obj, protocol=5)
+    except (pickle.PicklingError, TypeError, AttributeError):
+        import cloudpickle
+
+        return cloudpickle.dumps(obj, protocol=5)
+
+
+class PickleSnapshot(SnapshotWrapper, gym.utils.RecordConstructorArgs):
+    """Snapshots by pickling the base env's ``__dict__`` and the wrappers below.
+
+    Args:
+        env: Any Gymnasium env (typically ``gym.make(...)`` output).
+        exclude: Base-env attributes to leave out (configuration, render windows).
+    """
+
+    snapshot_kind = "pickle"
+
+    def __init__(self, env: gym.Env, exclude: tuple[str, ...] = DEFAULT_EXCLUDE) -> None:
+        """Wrap ``env``."""
+        gym.utils.RecordConstructorArgs.__init__(self, exclude=exclude)
+        gym.Wrapper.__init__(self, env)
+        self._exclude = frozenset(exclude)
+        self._last: tuple[Any, dict[str, Any]] | None = None
+        self._steps = 0
+
+    def reset(self, *, seed: int | None = None, options: dict[str, Any] | None = None):
+        """Reset and remember the observation (restore returns the snapshot's observation)."""
+        obs, info = self.env.reset(seed=seed, options=options)
+        self._last = (obs, info)
+        self._steps = 0
+        return obs, info
+
+    def step(self, action: Any):
+        """Step and remember the observation."""
+        obs, reward, terminated, truncated, info = self.env.step(action)
+        self._last = (obs, info)
+        self._steps += 1
+        return obs, reward, terminated, truncated, info
+
+    def _state(self) -> tuple[Any, ...]:
+        wrappers = _walk_wrappers(self.env)
+        layers = tuple(_capture(w) for w in wrappers)
+        base = self.env.unwrapped
+        base_state = {k: v for k, v in base.__dict__.items() if k not in self._exclude}
+        return layers, base_state
+
+    def snapshot(self) -> Snapshot:
+        """Pickle the state of everything below this wrapper."""
+        if self._last is None:
+            raise ResetNeededError("Cannot snapshot before reset(); call env.reset() first.")
+        layers, base_state = self._state()
+        blob = _dumps((layers, base_state, self._last, self._steps))
+        env_id, spec_hash = stack_identity(self.env)
+        return Snapshot(
+            env_id=env_id,
+            spec_hash=spec_hash,
+            step=self._steps,
+            kind=self.snapshot_kind,
+            payload=(blob, hashlib.sha256(blob).hexdigest()),
+            picklable=True,
+            nbytes=len(blob),
+        )
+
+    def restore(self, snapshot: Snapshot) -> tuple[Any, dict[str, Any]]:
+        """Unpickle a fresh copy of the saved state into this stack."""
+        if not isinstance(snapshot, Snapshot):
+            raise SnapshotMismatchError(
+                f"restore() takes a branchgym Snapshot, got {type(snapshot).__name__}."
+            )
+        payload = snapshot.payload
+        env_id, spec_hash = stack_identity(self.env)
+        if (snapshot.env_id, snapshot.spec_hash) != (
+            env_id,
+            spec_hash,
+        ) or snapshot.kind != "pickle":
+            raise SnapshotMismatchError(
+                f"snapshot of {snapshot.env_id} ({snapshot.kind}) cannot restore into a "
+                f"PickleSnapshot over {env_id}; restore into an env made the same way."
+            )
+        try:
+            blob, checksum = payload
+        except (TypeError, ValueError) as exc:
+            raise SnapshotCorruptError("PickleSnapshot payload is malformed") from exc
+        if hashlib.sha256(blob).hexdigest() != checksum:
+            raise SnapshotCorruptError(
+                "PickleSnapshot payload failed its checksum (the bytes were modified); take a "
+                "new snapshot."
+            )
+        try:
+            layers, base_state, last, steps = pickle.loads(blob)
+        except Exception as exc:
+            raise SnapshotCorruptError(
+                f"PickleSnapshot payload cannot be unpickled: {exc}"
+            ) from exc
+        wrappers = _walk_wrappers(self.env)
+        if len(wrappers) != len(layers):
+            raise SnapshotMismatchError(
+                "the wrapper stack below PickleSnapshot differs from the one snapshotted; "
+                "build the env with the same wrappers."
+            )
+        for w, state in zip(wrappers, layers, strict=True):
+            for name, value in state.items():
+                setattr(w, name, value)
+        self.env.unwrapped.__dict__.update(base_state)
+        self._last = last
+        self._steps = steps
+        return copy.deepcopy(last[0]), copy.deepcopy(last[1])
+
+    def state_digest(self) -> str:
+        """Digest of the base env's state and the wrappers' non-volatile state."""
+        wrappers = _walk_wrappers(self.env)
+        parts = []
+        for w in wrappers:
+            h = _handler(w)
+            parts.append({a: getattr(w, a) for a in h.attrs if a not in h.volatile})
+        _, base_state = self._state()
+        try:
+            base_digest = stable_hash(base_state)
+        except TypeError:  # arbitrary objects: fall back on their pickled bytes
+            base_digest = hashlib.sha256(_dumps(base_state)).hexdigest()
+        return stable_hash(parts, base_digest, self._steps)

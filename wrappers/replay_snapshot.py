@@ -1,0 +1,138 @@
+"""ReplaySnapshot: make any deterministic-given-seed Gymnasium env snapshottable by replay.
+
+The snapshot is the reset seed, the reset options and the actions since; restoring
+resets the stack with that seed and replays the actions. It works for any env whose
+transitions depend only on its seed and actions (all of Gymnasium's toy-text and
+classic-control envs), costs nothing to take and a full re-run of the prefix to restore
+(``kind = "replay"``: cost grows linearly with depth).
+
+``reset(seed=None)`` is made reproducible: the wrapper draws an explicit seed for the
+inner env from its own generator (seeded by the first explicit seed, if any).
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import gymnasium as gym
+import numpy as np
+from branchgym.wrappers._identity import stack_identity
+
+from branchgym.core import Snapshot, SnapshotWrapper, _capture, _walk_wrappers
+from branchgym.digest import stable_hash
+from branchgym.error import ResetNeededError, SnapshotCorruptError, SnapshotMismatchError
+
+__all__ = ["ReplaySnapshot"]
+
+
+class ReplaySnapshot(SnapshotWrapper, gym.utils.RecordConstructorArgs):
+    """Snapshots by recording ``(seed, options, actions)``; restores by reset + replay."""
+
+    snapshot_kind = "replay"
+
+    def __init__(self, env: gym.Env) -> None:
+        """Wrap ``env``."""
+        gym.utils.RecordConstructorArgs.__init__(self)
+        gym.Wrapper.__init__(self, env)
+        self._seed_rng: np.random.Generator | None = None
+        self._seed: int | None = None
+        self._options: dict[str, Any] | None = None
+        self._actions: list[Any] = []
+
+    def reset(self, *, seed: int | None = None, options: dict[str, Any] | None = None):
+        """Reset with an explicit seed (drawn reproducibly if none is given)."""
+        if seed is not None:
+            self._seed_rng = np.random.default_rng(seed)
+        elif self._seed_rng is None:
+            self._seed_rng = np.random.default_rng()
+        else:
+            seed = int(self._seed_rng.integers(2**31 - 1))
+        if seed is None:
+            seed = int(self._seed_rng.integers(2**31 - 1))
+        self._seed, self._options = int(seed), copy.deepcopy(options)
+        self._actions = []
+        return self.env.reset(seed=self._seed, options=options)
+
+    def step(self, action: Any):
+        """Step and record the action."""
+        if self._seed is None:
+            raise ResetNeededError("Cannot call step() before reset(); call env.reset() first.")
+        self._actions.append(copy.deepcopy(action))
+        return self.env.step(action)
+
+    def snapshot(self) -> Snapshot:
+        """The recorded seed, options and actions (cheap to take, O(depth) to restore)."""
+        if self._seed is None:
+            raise ResetNeededError("Cannot snapshot before reset(); call env.reset() first.")
+        env_id, spec_hash = stack_identity(self.env)
+        layers = tuple(_capture(w) for w in _walk_wrappers(self.env))
+        seed_rng = copy.deepcopy(self._seed_rng.bit_generator.state) if self._seed_rng else None
+        payload = (self._seed, copy.deepcopy(self._options), tuple(self._actions), layers, seed_rng)
+        return Snapshot(
+            env_id=env_id,
+            spec_hash=spec_hash,
+            step=len(self._actions),
+            kind=self.snapshot_kind,
+            payload=payload,
+            picklable=True,
+            meta={"replay_depth": len(self._actions)},
+        )
+
+    def restore(self, snapshot: Snapshot) -> tuple[Any, dict[str, Any]]:
+        """Reset with the recorded seed and replay the recorded actions."""
+        if not isinstance(snapshot, Snapshot):
+            raise SnapshotMismatchError(
+                f"restore() takes a branchgym Snapshot, got {type(snapshot).__name__}."
+            )
+        payload = snapshot.payload
+        env_id, spec_hash = stack_identity(self.env)
+        if (snapshot.env_id, snapshot.spec_hash) != (
+            env_id,
+            spec_hash,
+        ) or snapshot.kind != "replay":
+            raise SnapshotMismatchError(
+                f"snapshot of {snapshot.env_id} ({snapshot.kind}) cannot restore into a "
+                f"ReplaySnapshot over {env_id}; restore into an env made the same way."
+            )
+        try:
+            seed, options, actions, layers, seed_rng = payload
+            seed = int(seed)
+        except (TypeError, ValueError) as exc:
+            raise SnapshotCorruptError("ReplaySnapshot payload is malformed") from exc
+        obs, info = self.env.reset(seed=seed, options=copy.deepcopy(options))
+        for i, action in enumerate(actions):
+            obs, _, terminated, truncated, info = self.env.step(copy.deepcopy(action))
+            if (terminated or truncated) and i != len(actions) - 1:
+                raise SnapshotCorruptError(
+                    f"replay ended the episode at action {i + 1} of {len(actions)}: the env is "
+                    "not deterministic given its seed. Use PickleSnapshot for this env."
+                )
+        wrappers = _walk_wrappers(self.env)
+        if len(wrappers) != len(layers):
+            raise SnapshotMismatchError(
+                "the wrapper stack below ReplaySnapshot differs from the one snapshotted; "
+                "build the env with the same wrappers."
+            )
+        for w, state in zip(wrappers, layers, strict=True):  # cross-episode wrapper state
+            for name, value in state.items():
+                setattr(w, name, copy.deepcopy(value))
+        self._seed, self._options, self._actions = seed, copy.deepcopy(options), list(actions)
+        if seed_rng is not None:
+            self._seed_rng = np.random.default_rng()
+            self._seed_rng.bit_generator.state = copy.deepcopy(seed_rng)
+        return obs, info
+
+    def state_digest(self) -> str:
+        """Hash of the seed, options and action prefix (which fully determine the state)."""
+        if self._seed is None:
+            return stable_hash(None)
+        try:
+            return stable_hash(self._seed, self._options, self._actions, self._rng_state())
+        except TypeError:
+            return stable_hash(
+                self._seed, repr(self._options), repr(self._actions), self._rng_state()
+            )
+
+    def _rng_state(self) -> Any:
+        return self._seed_rng.bit_generator.state if self._seed_rng is not None else None
