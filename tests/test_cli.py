@@ -1,6 +1,7 @@
 import io
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -31,7 +32,9 @@ def test_installed_command_runs():
         text=True,
     )
     assert out.returncode == 0, out.stderr
-    exe = subprocess.run(["branchgym", "list"], capture_output=True, text=True)
+    exe = subprocess.run(
+        [str(Path(sys.executable).parent / "branchgym"), "list"], capture_output=True, text=True
+    )
     assert exe.returncode == 0 and "TextTreeMDP" in exe.stdout
 
 
