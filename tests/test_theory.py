@@ -19,7 +19,6 @@ import pytest
 import torch
 from branchgym.agents import losses as L
 
-import branchgym
 from branchgym.envs.toy import TreeMDP, TreeStructure
 from branchgym.envs.toy import theory as th
 
@@ -43,27 +42,6 @@ def ratio_mean_se(sums, counts):
 def random_policy(env, seed, concentration=2.0):
     rng = np.random.default_rng(seed)
     return rng.dirichlet(np.full(env.tree.n_actions, concentration), size=env.tree.n_nodes)
-
-
-def grpo_groups(env, policy, k, n, rng):
-    """n groups of k independent rollouts from the root (the GRPO/RLOO topology)."""
-    out = np.empty((n, k))
-    for i in range(n):
-        for j in range(k):
-            env.reset(seed=int(rng.integers(2**31)))
-            out[i, j] = th.rollout(env, policy, rng)[0]
-    return out
-
-
-def bpo_groups(env, policy, depth, k, n, rng):
-    """n backbones walked to ``depth``, snapshotted there, k siblings each."""
-    out = np.empty((n, k))
-    for i in range(n):
-        env.reset(seed=int(rng.integers(2**31)))
-        th.rollout(env, policy, rng, max_steps=depth)
-        with branchgym.snapshot(env) as snap:
-            out[i] = th.branch_siblings(env, snap, policy, k, rng)[0]
-    return out
 
 
 def loo_variance(returns):
@@ -120,6 +98,12 @@ def test_decomposition_on_an_unbalanced_tree_freezes_finished_episodes():
     assert p.sum() == pytest.approx(1.0) and p[0] == 0
     with pytest.raises(ValueError, match="decision depth"):
         th.variance_decomposition(tree, policy, 2)
+    # there is nothing to branch at where an episode may already have ended
+    with pytest.raises(ValueError, match="every episode reaches"):
+        th.advantage_variances(tree, policy, 1, 4)
+    env = TreeMDP(structure=tree)
+    with pytest.raises(ValueError, match="every episode reaches"):
+        th.branched_groups(env, policy, 1, 4, 50, np.random.default_rng(0))
 
 
 def test_worked_example_exact_figures():
@@ -183,8 +167,8 @@ def test_theorem_2_measured_variance_gap_matches_exact():
     exact = th.advantage_variances(env, policy, depth, k)
     dec = th.variance_decomposition(env, policy, depth)
     assert exact.difference == pytest.approx(k / (k - 1) * dec.nu2)
-    var_grpo, se_grpo = loo_variance(grpo_groups(env, policy, k, n, rng))
-    var_bpo, se_bpo = loo_variance(bpo_groups(env, policy, depth, k, n, rng))
+    var_grpo, se_grpo = loo_variance(th.independent_groups(env, policy, k, n, rng))
+    var_bpo, se_bpo = loo_variance(th.branched_groups(env, policy, depth, k, n, rng))
     assert abs(var_grpo - exact.grpo) < Z * se_grpo, (var_grpo, exact.grpo, se_grpo)
     assert abs(var_bpo - exact.bpo) < Z * se_bpo, (var_bpo, exact.bpo, se_bpo)
     gap, se_gap = var_grpo - var_bpo, math.hypot(se_grpo, se_bpo)
@@ -204,8 +188,8 @@ def test_theorem_2_worked_example_is_reproduced_by_sampling():
     policy = np.ones((env.tree.n_nodes, 1))
     k, n = 4, 3000
     rng = np.random.default_rng(3)
-    var_grpo, se_grpo = loo_variance(grpo_groups(env, policy, k, n, rng))
-    var_bpo, se_bpo = loo_variance(bpo_groups(env, policy, 1, k, n, rng))
+    var_grpo, se_grpo = loo_variance(th.independent_groups(env, policy, k, n, rng))
+    var_bpo, se_bpo = loo_variance(th.branched_groups(env, policy, 1, k, n, rng))
     assert abs(var_grpo - 0.18667) < Z * se_grpo, (var_grpo, se_grpo)
     assert abs(var_bpo - 0.06667) < Z * se_bpo, (var_bpo, se_bpo)
     # the 64 % reduction, with its delta-method standard error
@@ -221,7 +205,7 @@ def test_corollary_1_deeper_branch_points_reduce_variance_more():
     env, policy = theorem_env()
     k, n = 4, 1200
     rng = np.random.default_rng(5)
-    measured = [loo_variance(bpo_groups(env, policy, t, k, n, rng)) for t in (1, 2)]
+    measured = [loo_variance(th.branched_groups(env, policy, t, k, n, rng)) for t in (1, 2)]
     exact = [th.advantage_variances(env, policy, t, k).bpo for t in (1, 2)]
     for (m, se), e in zip(measured, exact, strict=True):
         assert abs(m - e) < Z * se, (m, e, se)
@@ -398,3 +382,14 @@ def test_restore_without_reseeding_replays_the_same_randomness():
             plain.append(th.rollout(env, policy, rng)[0])
         fresh = th.branch_siblings(env, snap, policy, 5, rng)[0]
     assert len(set(plain)) == 1 and len(set(fresh.tolist())) == 5
+
+
+def test_bench_theory_writes_its_report(tmp_path, capsys):
+    from branchgym.cli import main
+
+    assert main(["bench", "theory", "--quick", "--groups", "60", "--out", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert "| Var(A) branched at t = 1 (BPO) | 0.067 | 0.0667 |" in out
+    assert "measured, shared RNG" in out
+    md = (tmp_path / "theory.md").read_text()
+    assert "theory_depths.png" in md and (tmp_path / "theory_depths.png").stat().st_size > 0

@@ -24,8 +24,9 @@ leaves above depth ``t``; an episode that ended there is "frozen" at its leaf (i
 return is then its leaf reward), which keeps the decomposition exact.
 
 The module also has the small Monte Carlo helpers the tests and benches share
-(:func:`sample_action`, :func:`rollout`, :func:`branch_siblings`): siblings are made
-with the env's own ``snapshot()``/``restore()``.
+(:func:`sample_action`, :func:`rollout`, :func:`branch_siblings`,
+:func:`independent_groups`, :func:`branched_groups`): siblings are made with the env's
+own ``snapshot()``/``restore()``.
 """
 
 from __future__ import annotations
@@ -42,10 +43,12 @@ __all__ = [
     "VarianceDecomposition",
     "advantage_variances",
     "branch_siblings",
+    "branched_groups",
     "coverage_probability",
     "decomposition_by_depth",
     "expected_coverage",
     "frontier_distribution",
+    "independent_groups",
     "rollout",
     "sample_action",
     "sibling_advantage_mean",
@@ -173,10 +176,19 @@ def advantage_variances(tree_or_env: Any, policy: Any, depth: int, k: int) -> Ad
 
     Both are variances of the unnormalised leave-one-out advantage (eq. 4 /
     :func:`branchgym.agents.losses.rloo_advantages`), whose mean is 0 in both cases.
+    Every episode must reach ``depth`` undone, so that there is a state to branch at.
     """
     if isinstance(k, bool) or int(k) != k or k < 2:
         raise ValueError(f"k must be an int >= 2 (a leave-one-out baseline); got {k!r}.")
-    d = variance_decomposition(tree_or_env, policy, depth)
+    tree = _tree(tree_or_env)
+    p = frontier_distribution(tree, policy, depth)
+    ended = [s for s in np.flatnonzero(p) if tree.is_terminal(s)]
+    if ended:
+        raise ValueError(
+            f"episodes can end before depth {depth} (at leaves {ended[:5]}); Theorem 2 "
+            "branches at a decision state, so pick a depth every episode reaches."
+        )
+    d = variance_decomposition(tree, policy, depth)
     f = k / (k - 1)
     return AdvantageVariances(int(k), d.depth, f * (d.sigma2 + d.nu2), f * d.sigma2)
 
@@ -272,6 +284,7 @@ def branch_siblings(
     rng: np.random.Generator,
     *,
     first_action: int | None = None,
+    reseed: bool = True,
 ) -> tuple[np.ndarray, np.ndarray]:
     """Roll out ``k`` siblings from one snapshot: restore, reseed, act, finish.
 
@@ -287,6 +300,9 @@ def branch_siblings(
         k: Number of siblings.
         rng: Source of the actions and of the siblings' env seeds.
         first_action: Force every sibling's first action (``None``: sample it).
+        reseed: Give each sibling a fresh env RNG (default). ``False`` keeps the
+            snapshot's RNG: siblings then share their environment randomness, which is
+            what an engine that forgets to reseed would measure.
 
     Returns:
         ``(returns, first_actions)``, each of shape ``(k,)``.
@@ -298,7 +314,8 @@ def branch_siblings(
     for j in range(k):
         branchgym.restore(env, snap)
         base = env.unwrapped
-        base.np_random = np.random.Generator(np.random.PCG64(rng.integers(2**63)))
+        if reseed:
+            base.np_random = np.random.Generator(np.random.PCG64(rng.integers(2**63)))
         node = int(base.node)
         a = sample_action(policy, node, rng) if first_action is None else int(first_action)
         _, g, done = _step(env, a)
@@ -306,3 +323,56 @@ def branch_siblings(
             g += rollout(env, policy, rng)[0]
         returns[j], actions[j] = g, a
     return returns, actions
+
+
+def independent_groups(
+    env: Any, policy: np.ndarray, k: int, n: int, rng: np.random.Generator
+) -> np.ndarray:
+    """Returns of ``n`` groups of ``k`` independent episodes (the GRPO/RLOO topology).
+
+    Returns:
+        ``(n, k)`` array of episode returns.
+    """
+    out = np.empty((n, k))
+    for i in range(n):
+        for j in range(k):
+            env.reset(seed=int(rng.integers(2**31)))
+            out[i, j] = rollout(env, policy, rng)[0]
+    return out
+
+
+def branched_groups(
+    env: Any,
+    policy: np.ndarray,
+    depth: int,
+    k: int,
+    n: int,
+    rng: np.random.Generator,
+    *,
+    reseed: bool = True,
+) -> np.ndarray:
+    """Returns of ``n`` groups of ``k`` siblings branched at ``depth`` (Branching PO).
+
+    Each group walks a backbone from a fresh reset to ``depth``, snapshots it there and
+    rolls out ``k`` siblings with :func:`branch_siblings` (the first is the backbone's
+    own continuation, in distribution). Every episode must reach ``depth`` undone (a
+    leaf above it has no decision to branch; :class:`ValueError`).
+
+    Returns:
+        ``(n, k)`` array of returns (which, rewards being paid at leaves only, are the
+        siblings' returns-to-go from the branch state).
+    """
+    import branchgym
+
+    out = np.empty((n, k))
+    for i in range(n):
+        env.reset(seed=int(rng.integers(2**31)))
+        _, nodes = rollout(env, policy, rng, max_steps=depth)
+        if env.unwrapped.tree.is_terminal(nodes[-1]):
+            raise ValueError(
+                f"an episode ended at depth {len(nodes) - 1}, before the branch depth "
+                f"{depth}; branch at a depth every episode reaches."
+            )
+        with branchgym.snapshot(env) as snap:
+            out[i] = branch_siblings(env, snap, policy, k, rng, reseed=reseed)[0]
+    return out
