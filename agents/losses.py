@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any
 
 from branchgym.error import DependencyMissingError, LossInputError
@@ -89,7 +89,7 @@ class GroupAdvantages:
         """Number of groups."""
         return int(self.degenerate.numel())
 
-    def __iter__(self):  # ``adv, skipped = grpo_advantages(r)``
+    def __iter__(self) -> Iterator[Tensor]:  # ``adv, skipped = grpo_advantages(r)``
         return iter((self.advantages, self.degenerate))
 
 
@@ -104,6 +104,8 @@ def _check_rewards(rewards: Tensor, mask: Tensor | None, what: str) -> tuple[Ten
             f"{what}: rewards must have a group dimension (last); got a scalar. "
             "Pass shape (G,) for one group or (..., G) for many."
         )
+    if rewards.shape[-1] == 0:
+        raise LossInputError(f"{what}: empty groups (last dimension 0); a group needs rewards.")
     if not rewards.is_floating_point():
         rewards = rewards.to(torch.get_default_dtype())
     if mask is None:
@@ -271,6 +273,10 @@ def propagate_advantages(
       gives every token of a trajectory its trajectory advantage;
     * ``tail="zero"``: they get 0 (the strict reading of eq. 5).
 
+    Only branch points at or after a step affect it, so a caller that needs the steps
+    from ``t0`` on may pass just the branch points at or after ``t0``; entries before
+    ``t0`` are then meaningless.
+
     With no branch points on the path (``M = 0`` or ``K = 1``) every step gets 0 under
     either tail: there is no sibling comparison to propagate, and the learner must fall
     back to the group (RLOO) baseline over independent backbones (spec §1 step 6).
@@ -336,13 +342,18 @@ def propagate_advantages(
 # ================================================================== aggregation
 
 
+def _weighted(values: Tensor, mask: Tensor) -> Tensor:
+    # where, not a product: NaN or inf in padding must not reach the sum (NaN * 0 = NaN).
+    return torch.where(mask > 0, values * mask, 0.0)
+
+
 def _token_mean(values: Tensor, mask: Tensor) -> Tensor:
-    return (values * mask).sum() / mask.sum().clamp(min=1)
+    return _weighted(values, mask).sum() / mask.sum().clamp(min=1)
 
 
 def _per_sequence(values: Tensor, mask: Tensor, *, mean: bool) -> Tensor:
     n = mask.sum(-1)
-    per_seq = (values * mask).sum(-1)
+    per_seq = _weighted(values, mask).sum(-1)
     if mean:
         per_seq = per_seq / n.clamp(min=1)
     has = (n > 0).to(values.dtype)  # sequences with no counted token are left out
@@ -541,15 +552,19 @@ def ppo_clip_loss(
     if eps < 0 or (eps_high is not None and eps_high < 0):
         raise LossInputError("ppo_clip_loss: clip ranges must be >= 0.")
     hi = eps if eps_high is None else eps_high
-    adv = _broadcast_advantages("ppo_clip_loss", advantages, logp).detach()
     on = m > 0
-    # Padding may hold garbage log-probs; zero the log-ratio there so exp() cannot overflow.
+    # Padding may hold garbage (NaN, -inf): replace it before any nonlinearity, so that
+    # neither the loss nor the gradient (0 * NaN) can see it.
+    adv = torch.where(on, _broadcast_advantages("ppo_clip_loss", advantages, logp).detach(), 0.0)
     log_ratio = torch.where(on, logp - old_logp.detach(), 0.0)
     ratio = torch.exp(log_ratio)
     surrogate = torch.minimum(ratio * adv, torch.clamp(ratio, 1.0 - eps, 1.0 + hi) * adv)
     policy = aggregate(-surrogate, m, aggregation)
     if ref_logp is not None:
-        kl = aggregate(kl_estimate(logp, ref_logp, kl_estimator), m, aggregation)
+        per_token_kl = kl_estimate(
+            torch.where(on, logp, 0.0), torch.where(on, ref_logp, 0.0), kl_estimator
+        )
+        kl = aggregate(per_token_kl, m, aggregation)
         loss = policy + beta * kl
     else:
         kl = torch.zeros((), dtype=logp.dtype, device=logp.device)
@@ -698,8 +713,10 @@ def bellman_po_loss(
     degenerate = degenerate.to(logp.device)
     # Skipped groups leave the sequence mean entirely instead of adding zeros to it.
     m = m * (~degenerate).to(m.dtype)[..., None, None]
+    on = m > 0
+    logp = torch.where(on, logp, 0.0)  # padding garbage must not reach the gradient
     with torch.no_grad():
-        omega = bellman_po_weights(old_logp.exp(), logp.exp(), eps)
+        omega = bellman_po_weights(torch.where(on, old_logp, 0.0).exp(), logp.exp(), eps)
         a = adv.unsqueeze(-1)
         keep = bellman_po_mask(a, omega, eps_high, eps_low).to(m.dtype)
         weight = torch.clamp(omega, max=cap)
@@ -904,8 +921,11 @@ def pbr_loss(
         member[i, list(c.token_ids)] = True
     seq = torch.tensor([c.seq for c in cons], device=logits.device)
     pos = torch.tensor([c.position for c in cons], device=logits.device)
-    b = torch.tensor([float(c.target) for c in cons], dtype=logits.dtype, device=logits.device)
-    logprobs = torch.log_softmax(logits[seq, pos].float(), dim=-1)
+    # Log-softmax in float32 at least: bf16 logits lose the small probabilities PBR targets.
+    logprobs = torch.log_softmax(
+        logits[seq, pos].to(torch.promote_types(logits.dtype, torch.float32)), dim=-1
+    )
+    b = torch.tensor([float(c.target) for c in cons], dtype=logprobs.dtype, device=logits.device)
     log_in = torch.logsumexp(logprobs.masked_fill(~member, -math.inf), dim=-1)
     log_out = torch.logsumexp(logprobs.masked_fill(member, -math.inf), dim=-1)
     # 0 * (-inf) would be NaN when C (or its complement) is the whole vocabulary.
@@ -914,7 +934,7 @@ def pbr_loss(
     proto = (term_in + term_out).mean()
     value = lam * proto
     out = psi(value, cap)
-    return PBRLoss(out.to(logits.dtype), proto.detach(), len(cons), bool(value.detach() > cap))
+    return PBRLoss(out, proto.detach(), len(cons), bool(value.detach() > cap))
 
 
 def _check_constraint(c: Any, n_seq: int, n_pos: int, vocab: int) -> None:

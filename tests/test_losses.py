@@ -92,6 +92,8 @@ def test_group_input_errors():
         L.grpo_advantages(torch.tensor(1.0))
     with pytest.raises(LossInputError, match="mask shape"):
         L.grpo_advantages(torch.zeros(2, 3), mask=torch.ones(3, dtype=torch.bool))
+    with pytest.raises(LossInputError, match="empty groups"):
+        L.grpo_advantages(torch.zeros(3, 0))
     adv, _ = L.rloo_advantages(torch.tensor([1, 0, 0]))  # integer rewards are fine
     assert adv.is_floating_point()
 
@@ -378,3 +380,32 @@ def test_pbr_input_errors():
     # C = the whole vocabulary with b = 1 is fine (loss 0), not NaN
     whole = L.pbr_loss(logits, [L.ProtocolConstraint(0, tuple(range(10)), 1.0)])
     assert torch.isfinite(whole.loss) and abs(whole.loss.item()) < 1e-6
+
+
+def test_pbr_loss_computes_in_float32_for_bf16_logits():
+    logits = torch.zeros(1, 2, 40, dtype=torch.bfloat16)
+    logits[0, 0, 5] = -12.0  # p ~ 1.5e-7: below what bf16 resolves next to 1
+    out = L.pbr_loss(logits, [L.ProtocolConstraint(0, (5,), 1.0)], lam=1.0, cap=100.0)
+    assert out.loss.dtype == torch.float32
+    expect = 12.0 + math.log(39 + math.exp(-12.0))
+    assert out.loss.item() == pytest.approx(expect, rel=1e-4)
+
+
+def test_padding_garbage_reaches_neither_loss_nor_gradient():
+    logits, _, logp = _logits_and_logp((2, 3, 4))
+    mask = torch.ones(2, 3, 4)
+    mask[..., 3] = 0  # the last token of every sequence is padding
+    nan = torch.full((2, 3, 1), float("nan"))
+    pad = lambda x: torch.cat([x[..., :3], nan], -1)  # noqa: E731
+    logp_p, old_p = pad(logp), pad(logp.detach() - 0.1)
+    rewards = torch.tensor([[1.0, 0.0, 0.5], [0.0, 0.0, 1.0]])
+    losses = [
+        L.ppo_clip_loss(logp_p, old_p, pad(torch.ones(2, 3, 4)), mask, ref_logp=old_p).loss,
+        L.bellman_po_loss(logp_p, old_p, rewards, mask).loss,
+        L.opd_tree_loss(logp_p, old_p, pad(logp.detach() + 0.5), mask).loss,
+    ]
+    for loss in losses:
+        (g,) = torch.autograd.grad(loss, logits, retain_graph=True)
+        assert torch.isfinite(loss) and torch.isfinite(g).all() and g.abs().sum() > 0
+    for mode in L.AGGREGATIONS:
+        assert torch.isfinite(L.aggregate(pad(torch.ones(2, 3, 4)), mask, mode))
