@@ -199,7 +199,7 @@ def section_unbiased(report: Report, args: argparse.Namespace, rng: Any) -> None
     )
     print(
         report.table(
-            ["action", "pi(a|s)", "Q - V exact", "eq. 4 measured", "(K-1)/K (Q-V)", "self-incl."],
+            ["action", "pi(a∣s)", "Q - V exact", "eq. 4 measured", "(K-1)/K (Q-V)", "self-incl."],
             rows,
         )
     )
