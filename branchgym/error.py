@@ -22,6 +22,7 @@ __all__ = [
     "DataError",
     "FidelityViolation",
     "DependencyMissingError",
+    "LossInputError",
 ]
 
 
@@ -94,3 +95,7 @@ class DependencyMissingError(Error, ImportError):
             f"{what} needs the optional dependency {module!r}. "
             f"Install it with: pip install 'branchgym[{extra}]'"
         )
+
+
+class LossInputError(Error, ValueError):
+    """Inputs to an advantage or loss function are malformed (shape, value or option)."""

@@ -10,6 +10,7 @@ from __future__ import annotations
 #: study name -> (module, one-line description)
 STUDIES: dict[str, tuple[str, str]] = {
     "snapshot": ("branchgym.bench.snapshot", "snapshot/restore cost and bytes per env, vs replay"),
+    "theory": ("branchgym.bench.theory", "branching theory on TreeMDP: exact vs measured"),
 }
 
 __all__ = ["STUDIES"]
