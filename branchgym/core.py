@@ -50,6 +50,7 @@ __all__ = [
     "snapshot",
     "restore",
     "state_digest",
+    "reseed",
     "register_wrapper_state",
     "declare_stateless",
     "live_snapshots",
@@ -423,6 +424,16 @@ class SnapshottableEnv(gym.Env[ObsType, ActType], Generic[ObsType, ActType]):
     #: turn this off for speed.
     _restore_copies: ClassVar[bool] = True
 
+    def reseed(self, seed: int | None) -> None:
+        """Replace the env's RNG mid-episode (independent randomness for a restored sibling).
+
+        A snapshot carries the RNG, so siblings restored from one snapshot would replay the
+        same environment randomness; a branching engine reseeds each sibling after restore.
+        """
+        from gymnasium.utils import seeding
+
+        self._np_random, self._np_random_seed = seeding.np_random(seed)
+
     # -- helpers for implementers -------------------------------------------------------
     def _new_snapshot(
         self,
@@ -744,6 +755,19 @@ def state_digest(env: gym.Env) -> str:
     return stable_hash(parts, owner.state_digest())
 
 
+def reseed(env: gym.Env, seed: int | None) -> None:
+    """Give the env below ``env`` a fresh RNG seeded with ``seed`` without resetting it.
+
+    Restoring a snapshot restores the environment's RNG too (exact mode), so K siblings
+    restored from one snapshot would see the *same* environment randomness. Call this
+    after ``restore`` for every sibling that must draw its own transitions (spec section
+    1, step 4: siblings sample independently from ``s_t``). Deterministic sandboxes are
+    unaffected.
+    """
+    _, owner = _walk(env)
+    owner.reseed(seed)
+
+
 # ------------------------------------------------------------------------- wrappers
 
 
@@ -765,6 +789,13 @@ class SnapshotWrapper(gym.Wrapper[ObsType, ActType, ObsType, ActType]):
     def state_digest(self) -> str:  # pragma: no cover - abstract
         """Stable hash of this wrapper's and its inner stack's state."""
         raise NotImplementedError
+
+    def reseed(self, seed: int | None) -> None:
+        """Give the base env a fresh RNG mid-episode (see :func:`branchgym.core.reseed`)."""
+        from gymnasium.utils import seeding
+
+        base = self.env.unwrapped
+        base._np_random, base._np_random_seed = seeding.np_random(seed)
 
 
 class SnapshotAPI(gym.Wrapper[ObsType, ActType, ObsType, ActType], gym.utils.RecordConstructorArgs):

@@ -13,6 +13,7 @@ inner env from its own generator (seeded by the first explicit seed, if any).
 from __future__ import annotations
 
 import copy
+import dataclasses
 from typing import Any
 
 import gymnasium as gym
@@ -24,6 +25,13 @@ from branchgym.digest import stable_hash
 from branchgym.error import ResetNeededError, SnapshotCorruptError, SnapshotMismatchError
 
 __all__ = ["ReplaySnapshot"]
+
+
+@dataclasses.dataclass(frozen=True)
+class _Reseed:
+    """A mid-episode reseed, recorded among the actions so replay reproduces it."""
+
+    seed: int
 
 
 class ReplaySnapshot(SnapshotWrapper, gym.utils.RecordConstructorArgs):
@@ -61,6 +69,13 @@ class ReplaySnapshot(SnapshotWrapper, gym.utils.RecordConstructorArgs):
         self._actions.append(copy.deepcopy(action))
         return self.env.step(action)
 
+    def reseed(self, seed: int | None) -> None:
+        """Reseed the base env mid-episode; the reseed is recorded so replays stay exact."""
+        if seed is None:
+            raise ValueError("ReplaySnapshot.reseed needs an explicit seed to be replayable")
+        super().reseed(seed)
+        self._actions.append(_Reseed(int(seed)))
+
     def snapshot(self) -> Snapshot:
         """The recorded seed, options and actions (cheap to take, O(depth) to restore)."""
         if self._seed is None:
@@ -69,14 +84,15 @@ class ReplaySnapshot(SnapshotWrapper, gym.utils.RecordConstructorArgs):
         layers = tuple(_capture(w) for w in _walk_wrappers(self.env))
         seed_rng = copy.deepcopy(self._seed_rng.bit_generator.state) if self._seed_rng else None
         payload = (self._seed, copy.deepcopy(self._options), tuple(self._actions), layers, seed_rng)
+        depth = sum(not isinstance(a, _Reseed) for a in self._actions)
         return Snapshot(
             env_id=env_id,
             spec_hash=spec_hash,
-            step=len(self._actions),
+            step=depth,
             kind=self.snapshot_kind,
             payload=payload,
             picklable=True,
-            meta={"replay_depth": len(self._actions)},
+            meta={"replay_depth": depth},
         )
 
     def restore(self, snapshot: Snapshot) -> tuple[Any, dict[str, Any]]:
@@ -102,6 +118,9 @@ class ReplaySnapshot(SnapshotWrapper, gym.utils.RecordConstructorArgs):
             raise SnapshotCorruptError("ReplaySnapshot payload is malformed") from exc
         obs, info = self.env.reset(seed=seed, options=copy.deepcopy(options))
         for i, action in enumerate(actions):
+            if isinstance(action, _Reseed):
+                SnapshotWrapper.reseed(self, action.seed)
+                continue
             obs, _, terminated, truncated, info = self.env.step(copy.deepcopy(action))
             if (terminated or truncated) and i != len(actions) - 1:
                 raise SnapshotCorruptError(
