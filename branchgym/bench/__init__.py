@@ -10,6 +10,10 @@ from __future__ import annotations
 #: study name -> (module, one-line description)
 STUDIES: dict[str, tuple[str, str]] = {
     "snapshot": ("branchgym.bench.snapshot", "snapshot/restore cost and bytes per env, vs replay"),
+    "webshop": (
+        "branchgym.envs.webshop.bench",
+        "WebShop's scripted expert: reward on a goal split",
+    ),
 }
 
 __all__ = ["STUDIES"]
