@@ -371,3 +371,19 @@ def test_play_lets_a_person_shop():
 def test_registered_with_its_extra():
     spec = branchgym.branch_spec("branchgym/WebShop-v0")
     assert spec.missing() == [] and ("bm25s", "webshop") in spec.requires
+
+
+def test_snapshots_travel_between_copies_of_the_data(data_dir, tmp_path):
+    """The catalog's identity is its content, not its path or file times."""
+    import shutil
+
+    from branchgym.envs.webshop.data import clear_catalog_cache
+
+    copy = shutil.copytree(data_dir, tmp_path / "copy")
+    a, b = fixture_env(data_dir), fixture_env(str(copy))
+    assert a.catalog is not b.catalog and a.catalog.fingerprint == b.catalog.fingerprint
+    a.step("search[acme]")
+    with a.snapshot() as snap:
+        assert b.restore(pickle.loads(pickle.dumps(snap)))[0] == a._obs
+    clear_catalog_cache()
+    assert load_catalog(data_dir) is not a.catalog

@@ -15,6 +15,7 @@ first use under :func:`cache_dir` (``$BRANCHGYM_CACHE`` or ``~/.cache/branchgym`
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import json
 import os
 import random
@@ -25,7 +26,6 @@ from decimal import Decimal, InvalidOperation
 from pathlib import Path
 from typing import Any
 
-from branchgym.digest import stable_hash
 from branchgym.envs.webshop.generate import GENERATOR_VERSION, write_catalog
 from branchgym.envs.webshop.reward import PRICE_RANGE
 from branchgym.error import DataError
@@ -35,6 +35,7 @@ __all__ = [
     "SPLITS",
     "GOAL_SHUFFLE_SEED",
     "cache_dir",
+    "clear_catalog_cache",
     "load_catalog",
     "generated_dir",
     "resolve_data_dir",
@@ -191,9 +192,15 @@ def load_catalog(
     with _LOCK:
         cat = _CACHE.get(key)
         if cat is None:
-            cat = _load(files, source, num_products, price_seed, human_goals, key)
+            cat = _load(files, source, num_products, price_seed, human_goals)
             _CACHE[key] = cat
         return cat
+
+
+def clear_catalog_cache() -> None:
+    """Forget the catalogs loaded in this process (their memory is freed once unused)."""
+    with _LOCK:
+        _CACHE.clear()
 
 
 def _resolve_files(
@@ -299,7 +306,6 @@ def _load(
     num_products: int | None,
     price_seed: int,
     human_goals: bool,
-    key: tuple,
 ) -> Catalog:
     products_path = Path(files["products"])  # type: ignore[arg-type]  # always resolved
     raw = _read_json(products_path, list)
@@ -341,10 +347,21 @@ def _load(
         asin_index={p["asin"]: i for i, p in enumerate(products)},
         prices=tuple(prices),
         goals=tuple(goals),
-        fingerprint=stable_hash("webshop-catalog", key),
+        fingerprint=_fingerprint(products, prices, goals),
         source=source,
         human_goals=human_goals,
     )
+
+
+def _fingerprint(products: list[dict], prices: list[float], goals: list[dict]) -> str:
+    """A content hash (not paths or file times), so snapshots travel between machines."""
+    h = hashlib.blake2b(digest_size=16)
+    for p, price in zip(products, prices, strict=True):
+        opts = sorted(p["options"].items())
+        h.update(f"{p['asin']}|{p['Title']}|{price!r}|{opts}|{p['Attributes']}\n".encode())
+    for g in goals:
+        h.update(f"{g['asin']}|{g['instruction_text']}|{g['goal_options']}\n".encode())
+    return h.hexdigest()
 
 
 def _product(
