@@ -5,7 +5,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
 # Every extra the test suite exercises.
-TEST_EXTRAS ?= test
+TEST_EXTRAS ?= test,webshop
 PYTEST_ARGS ?=
 
 .PHONY: demo test venv clean

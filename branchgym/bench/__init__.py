@@ -11,6 +11,10 @@ from __future__ import annotations
 STUDIES: dict[str, tuple[str, str]] = {
     "snapshot": ("branchgym.bench.snapshot", "snapshot/restore cost and bytes per env, vs replay"),
     "theory": ("branchgym.bench.theory", "branching theory on TreeMDP: exact vs measured"),
+    "webshop": (
+        "branchgym.envs.webshop.bench",
+        "WebShop's scripted expert: reward on a goal split",
+    ),
 }
 
 __all__ = ["STUDIES"]

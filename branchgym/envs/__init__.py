@@ -23,3 +23,10 @@ def register_builtin_envs() -> None:
         "branchgym.envs.toy.text_tree_mdp:TextTreeMDP",
         description="TreeMDP as a text maze for LLM policies (admissible actions in info)",
     )
+    register(
+        "branchgym/WebShop-v0",
+        "branchgym.envs.webshop.env:WebShopEnv",
+        description="WebShop text shop: upstream pages, BM25 search and reward (generated "
+        "catalog; data_dir= for the real one)",
+        requires=(("bm25s", "webshop"), ("Stemmer", "webshop"), ("thefuzz", "webshop")),
+    )
