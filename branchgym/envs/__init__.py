@@ -23,3 +23,15 @@ def register_builtin_envs() -> None:
         "branchgym.envs.toy.text_tree_mdp:TextTreeMDP",
         description="TreeMDP as a text maze for LLM policies (admissible actions in info)",
     )
+    register(
+        "branchgym/ALFWorld-v0",
+        "branchgym.envs.alfworld.env:ALFWorldEnv",
+        kind="pddl+fast",
+        description="ALFWorld text games on the real engine (textworld + fast-downward)",
+        requires=(
+            ("alfworld", "alfworld"),
+            ("textworld", "alfworld"),
+            ("fast_downward", "alfworld"),
+        ),
+        max_episode_steps=40,
+    )
