@@ -328,6 +328,7 @@ def test_auto_mode_takes_the_fast_path_in_place_and_the_portable_one_elsewhere(e
         third.restore(pickle.loads(pickle.dumps(snap)))
     assert env.unwrapped.restore_counts == {"fast": 1}
     assert other.unwrapped.restore_counts == {"portable": 1}
+    assert other.unwrapped.engine.last_portable_route == "sas"
     assert third.unwrapped.restore_counts == {"portable": 1}
     assert env.state_digest() == other.state_digest() == third.state_digest()
     other.close()
@@ -354,12 +355,15 @@ def test_fast_path_survives_resets_and_falls_back_after_a_reload(env):
 
 
 @needs_engine
-@pytest.mark.parametrize("mode", ["auto", "portable", "replay"])
+@pytest.mark.parametrize("mode", ["auto", "portable", "portable-pddl", "replay"])
 def test_restored_states_play_exactly_like_replayed_ones(mode):
     """Random walks, snapshots at random depths, restored into the same and other instances."""
     rng = np.random.default_rng(42)
-    env = gym.make(ID, snapshot_mode=mode, max_episode_steps=200)
-    sibling = gym.make(ID, snapshot_mode=mode, max_episode_steps=200)
+    kind = mode.split("-")[0]
+    env = gym.make(ID, snapshot_mode=kind, max_episode_steps=200)
+    sibling = gym.make(ID, snapshot_mode=kind, max_episode_steps=200)
+    for e in (env, sibling):  # portable-pddl: rebuild a PDDL problem and translate it
+        e.unwrapped.engine.prefer_sas = mode != "portable-pddl"
     sibling.reset(seed=1)
     for trial in range(2):
         prefix, _ = _walk(env, rng, int(rng.integers(3, 12)))
@@ -373,6 +377,9 @@ def test_restored_states_play_exactly_like_replayed_ones(mode):
             assert run_actions(target, future) == want, (mode, trial)
         snap.release()
     assert sum(env.unwrapped.restore_counts.values()) == 2
+    if kind == "portable":
+        route = "pddl" if mode == "portable-pddl" else "sas"
+        assert sibling.unwrapped.engine.last_portable_route == route
     env.close()
     sibling.close()
 
@@ -519,6 +526,25 @@ def test_portable_snapshots_are_small_and_corruption_is_typed(env):
     bogus = env.unwrapped._new_snapshot({"not": "an alfworld state"})
     with pytest.raises(SnapshotCorruptError, match="not a saved ALFWorld state"):
         env.unwrapped.restore(bogus)
+
+
+@needs_engine
+def test_foreign_states_are_not_loaded_into_the_games_task():
+    """A state that is not one of the task's falls back to translating a rebuilt problem."""
+    a, b = load_problem_set("in_distribution")[:2]
+    engine = engine_mod.Engine()
+    try:
+        engine.load(b)
+        engine.reset()
+        foreign = engine.current_facts()
+        engine.load(a)
+        engine.reset()
+        static = engine._static
+        assert static.sas.at(engine_mod._atom_keys(foreign), static.static_atoms) is None
+        own = engine_mod._atom_keys(engine.current_facts())
+        assert static.sas.at(own, static.static_atoms) is not None
+    finally:
+        engine.close()
 
 
 @needs_engine

@@ -38,6 +38,7 @@ import dataclasses
 import functools
 import hashlib
 import json
+import re
 import sys
 import threading
 import weakref
@@ -399,6 +400,31 @@ def _pddl_state_class() -> type:
                 ) from exc
             self.add_facts(f for f in state_facts if not f.is_negation)
 
+        @classmethod
+        def at_state(
+            cls, downward_lib: Any, pddl_problem: str, logic: Any, sas: str
+        ) -> EnginePddlState:
+            """The game's own task (``pddl_problem``'s translation) loaded with ``sas``.
+
+            ``sas`` is that translation with another initial state; the caller installs
+            the Python-side facts. Commands, effects and the replan task are the game's.
+            """
+            self = cls.__new__(cls)
+            self._facts = collections.defaultdict(set)
+            self._vars_by_name = {}
+            self._vars_by_type = collections.defaultdict(set)
+            self._var_counts = collections.Counter()
+            self._logic = logic
+            self.downward_lib = downward_lib
+            self.pddl_problem = pddl_problem
+            self.task, _ = _translate(logic.domain, pddl_problem)
+            self.sas = sas
+            self.sas_replan = None
+            self._actions = {a.name: a for a in self.task.actions}
+            self.name2type = {o.name: o.type_name for o in self.task.objects}
+            self.downward_lib.load_sas(sas.encode("utf-8"))
+            return self
+
         def replan(self, infos: Any) -> list[str]:
             if self.sas_replan is None:
                 _, self.sas_replan = _translate(
@@ -452,6 +478,84 @@ class _Facts:
         return {p for v in self.facts.values() for p in v}
 
 
+_ATOM = re.compile(r"^(Atom|NegatedAtom) ([^(]+)\((.*)\)$")
+
+
+@dataclasses.dataclass
+class _SasTemplate:
+    """A game's SAS task split around its initial state, to load it at another state.
+
+    The translator keeps every fluent atom reachable from the initial state as a variable,
+    and every state reached in play is reachable from it, so any such state is the same
+    task with another ``begin_state`` section: no new translation is needed.
+    """
+
+    head: str  # up to and including "begin_state\n"
+    tail: str  # from "end_state\n"
+    layers: list[int]  # axiom layer per variable (-1: not derived)
+    values: list[list[tuple[bool, tuple[str, tuple[str, ...]]] | None]]
+    initial: list[int]
+    fluents: frozenset[tuple[str, tuple[str, ...]]]  # atoms that are variable values
+
+    @classmethod
+    def parse(cls, sas: str) -> _SasTemplate:
+        lines = sas.split("\n")
+        layers: list[int] = []
+        values: list[list[Any]] = []
+        i = 0
+        while i < len(lines) and lines[i] != "begin_state":
+            if lines[i] == "begin_variable":
+                layer, n = int(lines[i + 2]), int(lines[i + 3])
+                vals = []
+                for name in lines[i + 4 : i + 4 + n]:
+                    m = _ATOM.match(name)
+                    if m is None:
+                        vals.append(None)  # "<none of those>"
+                        continue
+                    args = tuple(a for a in m.group(3).split(", ") if a)
+                    vals.append((m.group(1) == "Atom", (m.group(2), args)))
+                layers.append(layer)
+                values.append(vals)
+                i += 4 + n
+                continue
+            i += 1
+        start = i + 1
+        end = start + len(values)
+        if lines[end] != "end_state":
+            raise GameLoadError("unexpected SAS layout: the initial state is not one value a line")
+        fluents = frozenset(v[1] for vals in values for v in vals if v is not None and v[0])
+        return cls(
+            head="\n".join(lines[:start]) + "\n",
+            tail="\n".join(lines[end:]),
+            layers=layers,
+            values=values,
+            initial=[int(x) for x in lines[start:end]],
+            fluents=fluents,
+        )
+
+    def at(
+        self, true_atoms: set[tuple[str, tuple[str, ...]]], static_atoms: frozenset[Any]
+    ) -> str | None:
+        """The SAS text with ``true_atoms`` as initial state; ``None`` if not representable."""
+        if true_atoms - self.fluents != static_atoms:
+            return None  # not a state of this task (a damaged or foreign snapshot)
+        state = []
+        for layer, vals, init in zip(self.layers, self.values, self.initial, strict=True):
+            if layer >= 0:  # derived: fast-downward evaluates the axioms itself
+                state.append(init)
+                continue
+            true = [k for k, v in enumerate(vals) if v is not None and v[0] and v[1] in true_atoms]
+            if len(true) > 1:
+                return None
+            if not true:
+                false = [k for k, v in enumerate(vals) if v is None or not v[0]]
+                if len(false) != 1:
+                    return None
+                true = false
+            state.append(true[0])
+        return self.head + "\n".join(map(str, state)) + "\n" + self.tail
+
+
 @dataclasses.dataclass
 class _GameStatic:
     """What a game always starts from, computed once per process per game."""
@@ -463,9 +567,19 @@ class _GameStatic:
     initial: _Facts
     initial_facts: frozenset[Any]
     parsed: list[Any]  # the problem as nested lists, for rebuilding its :init
+    sas: _SasTemplate
+    static_atoms: frozenset[Any]  # true atoms that are not SAS variables (never change)
 
 
-_STATICS = _LRU(512)
+_STATICS = _LRU(256)
+
+
+def _atom_keys(facts: _Facts) -> set[tuple[str, tuple[str, ...]]]:
+    return {
+        (p.name, tuple(v.name for v in p.arguments))
+        for p in facts.propositions()
+        if not p.name.startswith("not_")
+    }
 
 
 def _entity_infos(state: Any) -> dict[str, Any]:
@@ -535,6 +649,11 @@ class Engine:
         self._initial: EngineCapture | None = None
         self.epoch = 0
         self.closed = False
+        #: Portable restores load the game's own task at the saved state (``sas``); with
+        #: False (or when a state is not one of the task's) a PDDL problem is rebuilt from
+        #: the facts and translated (``pddl``). ``last_portable_route`` says which ran.
+        self.prefer_sas = True
+        self.last_portable_route: str | None = None
         self._finalizer = weakref.finalize(self, _LIBS.release, self._lib)
 
     # ------------------------------------------------------------------ loading
@@ -561,6 +680,7 @@ class Engine:
         with _TRANSLATE_LOCK, _translator_argv():
             parsed = lisp_parser.parse_nested_list(game["pddl_problem"].split("\n"))
         facts = _Facts.of(state)
+        sas = _SasTemplate.parse(state.sas)
         return _GameStatic(
             key=problem.key,
             domain=domain,
@@ -569,6 +689,8 @@ class Engine:
             initial=facts,
             initial_facts=frozenset(facts.propositions()),
             parsed=parsed,
+            sas=sas,
+            static_atoms=frozenset(_atom_keys(facts) - sas.fluents),
         )
 
     def load(self, problem: Problem) -> None:
@@ -755,7 +877,20 @@ class Engine:
         self._check_open()
         from textworld.core import GameState
 
-        self._load_task(self.rebuilt_problem(facts))
+        static = self._static
+        if static is None:
+            raise RuntimeError("load a game first")
+        sas = static.sas.at(_atom_keys(facts), static.static_atoms) if self.prefer_sas else None
+        if sas is not None:
+            pddl_problem = self._env._game_data["pddl_problem"]
+            self._env._pddl_state = _pddl_state_class().at_state(
+                self._lib, pddl_problem, static.logic, sas
+            )
+            self.epoch += 1
+            self.last_portable_route = "sas"
+        else:
+            self._load_task(self.rebuilt_problem(facts))
+            self.last_portable_route = "pddl"
         env = self._env
         facts.install(env._pddl_state)
         env.prev_state = None
