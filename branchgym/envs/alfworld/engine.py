@@ -604,6 +604,15 @@ def _sexpr(node: Any) -> str:
     return str(node)
 
 
+def fact_delta(static: _GameStatic, facts: _Facts) -> tuple[tuple[Fact, ...], tuple[Fact, ...]]:
+    """Facts added to and removed from the game's initial facts (portable, sorted)."""
+    current = facts.propositions()
+    initial = static.initial_facts
+    added = tuple(sorted(_fact_data(p) for p in current - initial))
+    removed = tuple(sorted(_fact_data(p) for p in initial - current))
+    return added, removed
+
+
 @dataclasses.dataclass
 class EngineCapture:
     """An engine's state, saved in-process (the fast path). Valid only in its engine.
@@ -826,15 +835,12 @@ class Engine:
         env._moves = capture.moves
 
     # ------------------------------------------------------------------ portable path
-    def fact_delta(self, facts: _Facts | None = None) -> tuple[tuple[Fact, ...], tuple[Fact, ...]]:
-        """Facts added to and removed from the game's initial facts (portable, sorted)."""
+    @property
+    def static(self) -> _GameStatic:
+        """What the loaded game starts from (its initial facts, task, names)."""
         if self._static is None:
             raise RuntimeError("no game loaded")
-        current = (facts or _Facts.of(self._env._pddl_state)).propositions()
-        initial = self._static.initial_facts
-        added = tuple(sorted(_fact_data(p) for p in current - initial))
-        removed = tuple(sorted(_fact_data(p) for p in initial - current))
-        return added, removed
+        return self._static
 
     def facts_from_delta(self, added: tuple[Fact, ...], removed: tuple[Fact, ...]) -> _Facts:
         """The Python-side containers of the state ``(added, removed)`` describes."""

@@ -69,20 +69,21 @@ class _State:
     capture: Any = None  # EngineCapture: fast path, this process and engine only
     facts: Any = None  # _Facts: the Python-side facts, this process only
     delta: tuple[tuple[Any, ...], tuple[Any, ...]] | None = None  # portable facts
-    engine: Any = None  # the engine that took it, to compute the delta when pickling
+    static: Any = None  # the game's initial facts, to compute the delta when pickling
 
     def portable_delta(self) -> tuple[tuple[Any, ...], tuple[Any, ...]] | None:
-        if self.delta is None and self.facts is not None and self.engine is not None:
-            self.delta = self.engine.fact_delta(self.facts)
+        if self.delta is None and self.static is not None:
+            facts = self.facts if self.facts is not None else getattr(self.capture, "facts", None)
+            if facts is not None:
+                from branchgym.envs.alfworld.engine import fact_delta
+
+                self.delta = fact_delta(self.static, facts)
         return self.delta
 
     def __getstate__(self) -> dict[str, Any]:
         out = dict(self.__dict__)
-        if out["facts"] is None and out["capture"] is not None:
-            out["facts"] = out["capture"].facts
-            self.facts = out["facts"]
         out["delta"] = self.portable_delta()
-        out["capture"] = out["facts"] = out["engine"] = None
+        out["capture"] = out["facts"] = out["static"] = None
         return out
 
 
@@ -280,10 +281,10 @@ class ALFWorldEnv(SnapshottableEnv[str, str]):
         )
         if self.snapshot_mode == "auto":
             payload.capture = self.engine.capture()
-            payload.engine = self.engine
+            payload.static = self.engine.static
         elif self.snapshot_mode == "portable":
             payload.facts = self.engine.current_facts()
-            payload.engine = self.engine
+            payload.static = self.engine.static
         return self._new_snapshot(payload, meta={"problem": self.problem.name})
 
     def restore(self, snapshot: Snapshot) -> tuple[str, dict[str, Any]]:
@@ -327,10 +328,8 @@ class ALFWorldEnv(SnapshottableEnv[str, str]):
                 facts = payload.capture.facts
             try:
                 self._load(index)
-                if facts is None:
-                    delta = payload.portable_delta()
-                    if delta is not None:
-                        facts = engine.facts_from_delta(*delta)
+                if facts is None and payload.delta is not None:
+                    facts = engine.facts_from_delta(*payload.delta)
                 if facts is not None:
                     engine.restore_facts(
                         facts,
