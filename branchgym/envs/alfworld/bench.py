@@ -5,8 +5,8 @@ For one shipped problem per room size (4 to 12 receptacles) and depths 5, 20 and
 
 * the fast path: ``snapshot()`` + ``restore()`` into the same instance;
 * the portable path: unpickling the snapshot and restoring it into another instance,
-  cold (the process has never translated that state: fast-downward's translator runs)
-  and warm (a sibling restoring the same snapshot again: translation cached);
+  cold (a fresh instance in a process that has never seen the game: its translation
+  and per-game setup run) and warm (a sibling restoring the same snapshot again);
 * replay: reset and replay the prefix (the fallback, and what a simulator without
   snapshots must do), in an env whose snapshots are replays;
 
@@ -62,7 +62,7 @@ def _pick_problems(quick: bool) -> list[Any]:
             by_size.setdefault(p.num_receptacles, p)
     sizes = sorted(by_size)
     if quick:
-        sizes = [sizes[0], sizes[len(sizes) // 2], sizes[-1]]
+        sizes = [sizes[0], sizes[-1]]
     return [by_size[s] for s in sizes]
 
 
@@ -101,11 +101,20 @@ def measure(problem: Any, depth: int, *, repeats: int, seed: int) -> dict[str, A
             s.release()
         other.reset(options={"problem": 0})
 
-        def cold() -> None:
-            engine_mod._TRANSLATIONS.data.clear()  # as in a process that never saw this state
-            other.restore(pickle.loads(blob))
-
-        cold_t = _time(cold, max(3, repeats // 3))
+        cold = []
+        for _ in range(max(3, repeats // 3)):
+            # As in a process that has never seen this game: no translation, no per-game
+            # setup (only the base grammar, parsed once per process for all games, is kept).
+            fresh = ALFWorldEnv([problem])
+            engine_mod._TRANSLATIONS.data.clear()
+            engine_mod._STATICS.data.clear()
+            t0 = time.perf_counter()
+            fresh.restore(pickle.loads(blob))
+            cold.append(time.perf_counter() - t0)
+            if fresh.restore_counts != {"portable": 1}:
+                raise RuntimeError("the cold measurement did not take the portable path")
+            fresh.close()
+        cold_t = Timing.of(cold)
         other.restore(pickle.loads(blob))
         warm_t = _time(lambda: other.restore(pickle.loads(blob)), repeats)
         if other.restore_counts["portable"] != other.restore_counts.total():
@@ -177,9 +186,10 @@ def section_alfworld(report: Report, args: argparse.Namespace) -> None:
         "One shipped problem per room size; the state is reached by seeded random admissible "
         f"actions. Medians of {repeats} runs (ms). *fast* = `snapshot()` + `restore()` in the "
         "same instance (fast-downward state id + Python side); *portable* = unpickle and "
-        "restore into another instance (PDDL problem rebuilt from the facts), *cold* with "
-        "the translator's cache cleared, *warm* for a sibling restoring the same snapshot "
-        "again; *replay* = reset + replay the prefix. Ratios are to replay. Targets: fast "
+        "restore into another instance (the game's task loaded at the saved facts), *cold* "
+        "into a fresh instance with the per-game caches cleared (translation included), "
+        "*warm* for a sibling restoring the same snapshot again; *replay* = reset + replay "
+        "the prefix. Ratios are to replay. Targets: fast "
         f"< {FAST_TARGET_MS:.0f} ms, portable < {PORTABLE_TARGET_MS:.0f} ms; the source "
         f"reports 138 ms per pickled ALFWorld snapshot.\n\n"
         f"Worst median here: fast {worst_fast:.2f} ms "
