@@ -7,7 +7,9 @@ PIP := $(PY) -m pip
 # Every extra the test suite exercises.
 TEST_EXTRAS ?= test,alfworld
 # The ALFWorld engine, pinned. Installed with --no-deps (its declared dependencies pull
-# spaCy through jericho); the small ones it needs come from the `alfworld` extra.
+# spaCy through jericho); the small ones it needs come from the `alfworld` extra. pip then
+# reports that jericho wants spaCy: only jericho's own spaCy helpers import it, and
+# ALFWorld's PDDL games never call them.
 ALFWORLD_ENGINE := alfworld==0.4.2 textworld==1.7.0 fast-downward-textworld==20.6.4 jericho==3.3.1
 ALFWORLD_STAMP := $(VENV)/.alfworld-engine-0.4.2
 PYTEST_ARGS ?=

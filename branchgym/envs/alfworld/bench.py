@@ -226,6 +226,7 @@ def section_alfworld(report: Report, args: argparse.Namespace) -> None:
 def _plots(report: Report, results: list[dict[str, Any]], depths: list[int]) -> None:
     import matplotlib.pyplot as plt
 
+    colors = {"fast_pair": "C0", "portable_cold": "C1", "portable_warm": "C2", "replay": "C3"}
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(10, 3.6))
     largest = max(r["receptacles"] for r in results)
     big = [r for r in results if r["receptacles"] == largest]
@@ -235,7 +236,8 @@ def _plots(report: Report, results: list[dict[str, Any]], depths: list[int]) -> 
         ("portable_warm", "portable, warm"),
         ("replay", "replay"),
     ):
-        ax1.plot([r["depth"] for r in big], [r[key].median_ms for r in big], "o-", label=label)
+        ys = [r[key].median_ms for r in big]
+        ax1.plot([r["depth"] for r in big], ys, "o-", color=colors[key], label=label)
     ax1.set_yscale("log")
     ax1.set_xlabel("depth (steps since reset)")
     ax1.set_ylabel("restore ms (median, log)")
@@ -248,7 +250,8 @@ def _plots(report: Report, results: list[dict[str, Any]], depths: list[int]) -> 
         ("portable_cold", "portable, cold"),
         ("replay", "replay"),
     ):
-        ax2.plot([r["receptacles"] for r in at], [r[key].median_ms for r in at], "o-", label=label)
+        ys = [r[key].median_ms for r in at]
+        ax2.plot([r["receptacles"] for r in at], ys, "o-", color=colors[key], label=label)
     ax2.set_yscale("log")
     ax2.set_xlabel("receptacles in the room")
     ax2.set_title(f"depth {mid}")
