@@ -229,6 +229,28 @@ def test_expert_wins_with_reward_one_and_episode_ends(env):
 
 
 @needs_engine
+@pytest.mark.parametrize("prefer_sas", [True, False])
+def test_expert_replans_from_restored_states(prefer_sas):
+    problem = load_problem_set("in_distribution")[30]
+    env = gym.make(ID, problems=[problem], expert_plan_in_info=True, max_episode_steps=100)
+    _, info = env.reset(options={"problem": 0})
+    assert tuple(info["expert_plan"]) == problem.expert_plan
+    env.step("look")
+    env.step(problem.expert_plan[0])
+    other = gym.make(ID, problems=[problem], max_episode_steps=100)
+    other.unwrapped.engine.prefer_sas = prefer_sas
+    with env.snapshot() as snap:
+        other.restore(pickle.loads(pickle.dumps(snap)))
+    assert other.unwrapped.restore_counts == {"portable": 1}
+    plan = other.unwrapped.expert_plan()
+    assert plan and len(plan) == len(problem.expert_plan) - 1
+    results = run_actions(other, plan)
+    assert results[-1][2] is True and results[-1][1] == 1.0
+    env.close()
+    other.close()
+
+
+@needs_engine
 def test_step_limit_is_40_by_default_and_configurable():
     e = gym.make(ID)
     e.reset(seed=0)
