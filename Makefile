@@ -5,10 +5,16 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
 # Every extra the test suite exercises.
-TEST_EXTRAS ?= test,webshop
+TEST_EXTRAS ?= test,webshop,alfworld
+# The ALFWorld engine, pinned. Installed with --no-deps (its declared dependencies pull
+# spaCy through jericho); the small ones it needs come from the `alfworld` extra. pip then
+# reports that jericho wants spaCy: only jericho's own spaCy helpers import it, and
+# ALFWorld's PDDL games never call them.
+ALFWORLD_ENGINE := alfworld==0.4.2 textworld==1.7.0 fast-downward-textworld==20.6.4 jericho==3.3.1
+ALFWORLD_STAMP := $(VENV)/.alfworld-engine-0.4.2
 PYTEST_ARGS ?=
 
-.PHONY: demo test venv clean
+.PHONY: demo test venv clean alfworld
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -22,8 +28,17 @@ demo: $(PY)
 	$(VENV)/bin/branchgym list
 	$(VENV)/bin/branchgym check --all
 
+## make alfworld: the ALFWorld engine (fast-downward compiles once per venv, ~3 min)
+# fast-downward's setup.py runs `python build.py`: the venv's python must come first on PATH.
+$(ALFWORLD_STAMP): | $(PY)
+	PATH="$(abspath $(VENV))/bin:$$PATH" $(PIP) install -q --no-deps $(ALFWORLD_ENGINE)
+	$(PIP) install -q -e '.[alfworld]'
+	touch $@
+
+alfworld: $(ALFWORLD_STAMP)
+
 ## make test: install every extra the tests need and run the whole suite
-test: $(PY)
+test: $(PY) $(ALFWORLD_STAMP)
 	$(PIP) install -q -e '.[$(TEST_EXTRAS)]'
 	$(VENV)/bin/ruff check .
 	$(PY) -m pytest $(PYTEST_ARGS)

@@ -15,6 +15,7 @@ from collections.abc import Callable, Sequence
 from typing import Any, TextIO
 
 import branchgym
+from branchgym.envs.alfworld import cli as alfworld_cli
 from branchgym.error import Error
 
 __all__ = ["main", "COMMANDS"]
@@ -236,6 +237,11 @@ COMMANDS: dict[
     "check": (configure_check, cmd_check, "run the snapshot checks on an env"),
     "play": (configure_play, cmd_play, "play an env in the terminal, forking with snapshots"),
     "bench": (configure_bench, cmd_bench, "run a benchmark study"),
+    "alfworld": (
+        alfworld_cli.configure,
+        alfworld_cli.run,
+        "ALFWorld problems: generate, rebuild the shipped sets, run the planner expert",
+    ),
 }
 
 

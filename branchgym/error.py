@@ -20,6 +20,7 @@ __all__ = [
     "ResetNeededError",
     "InvalidActionError",
     "DataError",
+    "GameLoadError",
     "FidelityViolation",
     "DependencyMissingError",
     "LossInputError",
@@ -79,6 +80,10 @@ class InvalidActionError(Error, ValueError):
 
 class DataError(Error, ValueError):
     """A data file is missing, unreadable or malformed."""
+
+
+class GameLoadError(DataError):
+    """A game (e.g. an ALFWorld PDDL problem) cannot be loaded by its engine."""
 
 
 class FidelityViolation(SnapshotError, AssertionError):

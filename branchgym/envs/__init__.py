@@ -30,3 +30,15 @@ def register_builtin_envs() -> None:
         "catalog; data_dir= for the real one)",
         requires=(("bm25s", "webshop"), ("Stemmer", "webshop"), ("thefuzz", "webshop")),
     )
+    register(
+        "branchgym/ALFWorld-v0",
+        "branchgym.envs.alfworld.env:ALFWorldEnv",
+        kind="pddl+fast",
+        description="ALFWorld text games on the real engine (textworld + fast-downward)",
+        requires=(
+            ("alfworld", "alfworld"),
+            ("textworld", "alfworld"),
+            ("fast_downward", "alfworld"),
+        ),
+        max_episode_steps=40,
+    )

@@ -1,0 +1,112 @@
+"""``branchgym alfworld``: generate problems, check the shipped sets, run the planner expert.
+
+branchgym alfworld generate --n 50 --seed 1 --out games/      ALFWorld .tw-pddl game folders
+branchgym alfworld generate --n 50 --out train.jsonl.gz       a problem file for the env
+branchgym alfworld solve in_distribution                      the expert on every problem
+branchgym alfworld sets --check                               rebuild the shipped sets, compare
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import sys
+
+__all__ = ["configure", "run"]
+
+
+def configure(parser: argparse.ArgumentParser) -> None:
+    """Sub-commands of ``branchgym alfworld``."""
+    from branchgym.envs.alfworld.problems import LAYOUTS, TASK_TYPES
+
+    sub = parser.add_subparsers(dest="alfworld_command", metavar="COMMAND", required=True)
+    gen = sub.add_parser("generate", help="generate validated problems with the seeded generator")
+    gen.add_argument("--n", type=int, default=10, help="number of problems")
+    gen.add_argument("--seed", type=int, default=0)
+    gen.add_argument("--layouts", nargs="*", choices=sorted(LAYOUTS), default=None)
+    gen.add_argument("--tasks", nargs="*", choices=TASK_TYPES, default=None)
+    gen.add_argument(
+        "--out",
+        required=True,
+        help="a .jsonl/.jsonl.gz problem file, or a folder for ALFWorld game.tw-pddl files",
+    )
+    solve = sub.add_parser("solve", help="play every problem with the planner expert")
+    solve.add_argument("problems", nargs="?", default="in_distribution", help="set name or path")
+    solve.add_argument("--limit", type=int, default=None, help="only the first N problems")
+    sets = sub.add_parser("sets", help="rebuild the shipped problem sets from their seed")
+    sets.add_argument("--out", default=None, help="write the rebuilt sets to this folder")
+    sets.add_argument("--check", action="store_true", help="exit 1 unless equal to the shipped")
+
+
+def run(args: argparse.Namespace) -> int:
+    """Run the chosen sub-command."""
+    return {"generate": _generate, "solve": _solve, "sets": _sets}[args.alfworld_command](args)
+
+
+def _generate(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from branchgym.envs.alfworld.problems import export_tw_pddl, generate_problems, save_problems
+
+    problems = generate_problems(
+        args.n, args.seed, layouts=args.layouts, task_types=args.tasks, split="generated"
+    )
+    out = Path(args.out)
+    if out.name.endswith((".jsonl", ".jsonl.gz")):
+        save_problems(problems, out)
+    else:
+        for p in problems:
+            export_tw_pddl(p, out)
+    lengths = [p.expert_plan_length or 0 for p in problems]
+    print(f"{len(problems)} problems -> {out} (expert plan length {min(lengths)}-{max(lengths)})")
+    return 0
+
+
+def _solve(args: argparse.Namespace) -> int:
+    import gymnasium as gym
+    from tqdm import tqdm
+
+    from branchgym.bench.common import markdown_table
+    from branchgym.envs.alfworld.expert import solve
+
+    env = gym.make("branchgym/ALFWorld-v0", problems=args.problems, max_episode_steps=100)
+    problems = env.unwrapped.problems[: args.limit]
+    by_type: dict[str, list[tuple[bool, int]]] = collections.defaultdict(list)
+    failed = []
+    try:
+        for i, p in enumerate(tqdm(problems, desc="planner expert", unit="game")):
+            result = solve(env, i)
+            by_type[p.task_type].append((result.won, result.steps))
+            if not result.won:
+                failed.append(p.name)
+    finally:
+        env.close()
+    rows = [
+        [t, len(v), sum(w for w, _ in v), f"{sum(s for _, s in v) / len(v):.1f}"]
+        for t, v in sorted(by_type.items())
+    ]
+    print(markdown_table(["task type", "games", "won", "mean steps"], rows))
+    for name in failed:
+        print(f"not solved: {name}", file=sys.stderr)
+    return 1 if failed else 0
+
+
+def _sets(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from branchgym.envs.alfworld.problems import (
+        SPLITS,
+        generate_split,
+        load_problem_set,
+        save_problems,
+    )
+
+    same = True
+    for split, filename in SPLITS.items():
+        rebuilt = generate_split(split)
+        if args.out:
+            save_problems(rebuilt, Path(args.out) / filename)
+        equal = [p.to_json() for p in rebuilt] == [p.to_json() for p in load_problem_set(split)]
+        print(f"{split}: {len(rebuilt)} problems, {'equal to' if equal else 'DIFFER from'} shipped")
+        same = same and equal
+    return 0 if same or not args.check else 1
