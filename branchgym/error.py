@@ -22,6 +22,8 @@ __all__ = [
     "DataError",
     "FidelityViolation",
     "DependencyMissingError",
+    "SandboxError",
+    "SandboxUnavailableError",
 ]
 
 
@@ -94,3 +96,11 @@ class DependencyMissingError(Error, ImportError):
             f"{what} needs the optional dependency {module!r}. "
             f"Install it with: pip install 'branchgym[{extra}]'"
         )
+
+
+class SandboxError(Error, RuntimeError):
+    """A sandbox operation failed (a path outside the repository, a closed sandbox)."""
+
+
+class SandboxUnavailableError(SandboxError):
+    """A sandbox backend cannot run on this machine (no mounts, no Docker daemon, no image)."""
