@@ -23,3 +23,12 @@ def register_builtin_envs() -> None:
         "branchgym.envs.toy.text_tree_mdp:TextTreeMDP",
         description="TreeMDP as a text maze for LLM policies (admissible actions in info)",
     )
+    register(
+        "branchgym/SWEBench-v0",
+        "branchgym.envs.swebench.env:SWEBenchEnv",
+        kind="overlay",
+        picklable=False,
+        max_episode_steps=50,
+        description="repository tasks by shell commands + submit, SWE-bench grading "
+        "(12 generated tasks; overlayfs or git sandboxes under bubblewrap)",
+    )

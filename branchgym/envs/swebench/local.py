@@ -34,6 +34,7 @@ hidden (they hold the tasks' gold patches).
 
 from __future__ import annotations
 
+import atexit
 import ctypes
 import ctypes.util
 import errno
@@ -64,6 +65,7 @@ from branchgym.envs.swebench.tasks import cache_root
 from branchgym.error import SandboxError, SandboxUnavailableError
 
 __all__ = [
+    "wait_for_cleanup",
     "LocalBackend",
     "OverlaySandbox",
     "GitSandbox",
@@ -213,6 +215,66 @@ def _cleanup_stale(root: Path) -> None:
             shutil.rmtree(entry, ignore_errors=True)
 
 
+class _Reaper:
+    """Deletes folders in a background thread.
+
+    Deleting is slow on some file systems (online discard makes every unlink a device
+    command): a restore or a release only renames what it discards into the trash, and
+    this thread deletes it. :func:`wait_for_cleanup` (and ``env.close()``) waits for it.
+    """
+
+    def __init__(self, trash: Path) -> None:
+        self.trash = trash
+        self.pending = 0
+        self.cond = threading.Condition()
+        self.queue: list[Path] = []
+        self.thread: threading.Thread | None = None
+
+    def discard(self, path: str | Path) -> None:
+        """Move ``path`` to the trash now; delete it soon."""
+        dest = self.trash / uuid.uuid4().hex
+        try:
+            os.rename(path, dest)
+        except FileNotFoundError:
+            return
+        except OSError:  # another file system: delete in place, in the thread
+            dest = Path(path)
+        with self.cond:
+            self.queue.append(dest)
+            self.pending += 1
+            if self.thread is None or not self.thread.is_alive():
+                self.thread = threading.Thread(target=self._run, name="branchgym-reaper")
+                self.thread.daemon = True
+                try:
+                    self.thread.start()
+                except RuntimeError:  # interpreter shutdown: no new threads; delete now
+                    self.thread = None
+                    self.queue.remove(dest)
+                    self.pending -= 1
+                    shutil.rmtree(dest, ignore_errors=True)
+            self.cond.notify_all()
+
+    def _run(self) -> None:
+        while True:
+            with self.cond:
+                while not self.queue:
+                    if not self.cond.wait(timeout=5.0):
+                        if not self.queue:
+                            self.thread = None
+                            return
+                path = self.queue.pop()
+            shutil.rmtree(path, ignore_errors=True)
+            with self.cond:
+                self.pending -= 1
+                self.cond.notify_all()
+
+    def wait(self) -> None:
+        """Block until everything discarded so far is deleted."""
+        with self.cond:
+            while self.pending:
+                self.cond.wait()
+
+
 class _Store:
     """Per-process folder of frozen layers and sandbox directories, with layer refcounts."""
 
@@ -225,6 +287,8 @@ class _Store:
         self.boxes = self.root / "s"
         self.layers.mkdir(parents=True)
         self.boxes.mkdir()
+        (self.root / "trash").mkdir()
+        self.reaper = _Reaper(self.root / "trash")
         self.refs: dict[str, int] = {}
         self.lock = threading.RLock()
         self._ids = itertools.count()
@@ -264,7 +328,7 @@ class _Store:
                         del self.refs[layer]
                         dead.append(layer)
         for layer in dead:
-            shutil.rmtree(layer, ignore_errors=True)
+            self.reaper.discard(layer)
 
     def live_layers(self) -> int:
         with self.lock:
@@ -559,7 +623,7 @@ class OverlaySandbox(_LocalSandbox):
 
     def _fresh_upper(self) -> None:
         if not self._upper_empty():
-            shutil.rmtree(self.upper)
+            self.store.reaper.discard(self.upper)
             self.upper.mkdir()
 
     # -- the protocol ----------------------------------------------------------------
@@ -638,7 +702,7 @@ def _overlay_cleanup(store: _Store, box: Path, state: dict) -> None:
         except OSError:
             pass
         state["mounted"] = False
-    shutil.rmtree(box, ignore_errors=True)
+    store.reaper.discard(box)
     store.release(state["stack"])
     state["stack"] = ()
 
@@ -649,8 +713,9 @@ def _overlay_cleanup(store: _Store, box: Path, state: dict) -> None:
 class _GitStore:
     """A private bare repository holding snapshot trees; deleted with its last user."""
 
-    def __init__(self, path: Path) -> None:
+    def __init__(self, path: Path, reaper: _Reaper) -> None:
         self.path = path
+        self.reaper = reaper
         self.users = 0
         self.lock = threading.Lock()
         self.base_trees: dict[str, tuple[str, str | None, dict, Path]] = {}
@@ -685,7 +750,7 @@ class _GitStore:
         with self.lock:
             self.users -= 1
             if self.users == 0:
-                shutil.rmtree(self.path, ignore_errors=True)
+                self.reaper.discard(self.path)
                 self.base_trees.clear()
 
 
@@ -789,7 +854,7 @@ class GitSandbox(_LocalSandbox):
         """Start from the checkout ``base``, or from ``snap``."""
         super().__init__(store, runner)
         if store.git is None:
-            store.git = _GitStore(store.root / "snap.git")
+            store.git = _GitStore(store.root / "snap.git", store.reaper)
         self.git = store.git
         self.git.hold()
         self.dir = store.boxes / store.new_id()
@@ -797,7 +862,7 @@ class GitSandbox(_LocalSandbox):
         self.index = self.dir / "index"
         self.gindex = self.dir / "gindex"
         self.tree.mkdir(parents=True)
-        self._finalizer = weakref.finalize(self, _git_cleanup, self.git, self.dir)
+        self._finalizer = weakref.finalize(self, _git_cleanup, store, self.git, self.dir)
         if snap is None:
             if base is None:
                 raise SandboxError("a git sandbox starts from a checkout or a snapshot")
@@ -914,8 +979,8 @@ class GitSandbox(_LocalSandbox):
         return {"folders": len(list(self.store.boxes.iterdir()))}
 
 
-def _git_cleanup(git: _GitStore, box: Path) -> None:
-    shutil.rmtree(box, ignore_errors=True)
+def _git_cleanup(store: _Store, git: _GitStore, box: Path) -> None:
+    store.reaper.discard(box)
     git.drop()
 
 
@@ -962,10 +1027,35 @@ class LocalBackend:
         """Snapshot kind of the sandboxes it makes."""
         return self.mode
 
-    def create(self, checkout: Path) -> Sandbox:
+    def default_env(self) -> dict[str, str]:
+        """The environment a new shell starts with."""
+        return self.runner.default_env()
+
+    def create(self, task: object, checkout: Path) -> Sandbox:
         """A sandbox whose /testbed starts as ``checkout`` (never modified)."""
         if self.mode == "overlay":
             return OverlaySandbox(
                 self.store, self.runner, (str(checkout),), max_layers=self.max_layers
             )
         return GitSandbox(self.store, self.runner, base=checkout)
+
+    def from_snapshot(self, snap: SandboxSnapshot) -> Sandbox:
+        """A new sandbox in ``snap``'s state (a snapshot of this backend)."""
+        snap.check()
+        if isinstance(snap, OverlaySnapshot) and self.mode == "overlay":
+            return OverlaySandbox(self.store, self.runner, snap.stack, max_layers=self.max_layers)
+        if isinstance(snap, GitSnapshot) and self.mode == "git":
+            return GitSandbox(self.store, self.runner, snap=snap)
+        raise SandboxError(
+            f"a {snap.kind} snapshot cannot be restored by the local {self.mode} backend"
+        )
+
+
+def wait_for_cleanup() -> None:
+    """Wait until every folder discarded by local sandboxes of this process is deleted."""
+    for store in list(_Store._instances.values()):
+        store.reaper.wait()
+
+
+# Finish deletions at exit; whatever a killed process leaves, the next one removes.
+atexit.register(wait_for_cleanup)
