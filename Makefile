@@ -5,7 +5,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
 # Every extra the test suite exercises.
-TEST_EXTRAS ?= test
+TEST_EXTRAS ?= test,swebench,docker
 PYTEST_ARGS ?=
 
 .PHONY: demo test venv clean
@@ -26,7 +26,7 @@ demo: $(PY)
 test: $(PY)
 	$(PIP) install -q -e '.[$(TEST_EXTRAS)]'
 	$(VENV)/bin/ruff check .
-	$(PY) -m pytest $(PYTEST_ARGS)
+	scripts/with_docker.sh $(PY) -m pytest $(PYTEST_ARGS)
 
 clean:
 	rm -rf $(VENV) build dist *.egg-info .pytest_cache .hypothesis

@@ -59,7 +59,6 @@ _KNOWN = (
     "version",
     "environment_setup_commit",
     "hints_text",
-    "created_at",
     "test_cmd",
 )
 
