@@ -32,7 +32,7 @@ from branchgym.error import DataError
 __all__ = ["TaskDef", "TASK_DEFS", "build_generated_tasks", "generated_tasks", "generated_repos"]
 
 #: Bump when the build procedure changes (the cache key includes it).
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
 
 _GITIGNORE = "__pycache__/\n*.pyc\n.pytest_cache/\n"
 
@@ -78,13 +78,13 @@ class TaskDef:
 
     @property
     def fix_command(self) -> str:
-        """One shell line that applies the gold fix in the repository root."""
+        """One shell line that applies the gold fix (from any working directory)."""
         code = (
             "import pathlib\n"
             f"for p, a, b in {[list(r) for r in self.fix]!r}:\n"
             "    f = pathlib.Path(p); f.write_text(f.read_text().replace(a, b, 1))"
         )
-        return "python3 -c " + shlex.quote(code)
+        return "cd /testbed && python3 -c " + shlex.quote(code)
 
 
 def _d(text: str) -> str:

@@ -640,6 +640,7 @@ class OverlaySandbox(_LocalSandbox):
         top = str(layer)
         if len(stack) - 1 > self.max_layers or len(":".join(stack)) > 3000:
             stack, top = self._squash(stack), None
+            self.store.reaper.discard(layer)  # merged into the squashed layer; no holder
         snap = OverlaySnapshot(self.store, stack, top)
         self._mount(stack)
         return snap
