@@ -36,6 +36,7 @@ SOURCE_MS = {
 SECTIONS: list[str] = [
     "branchgym.bench.snapshot:section_registered",
     "branchgym.bench.snapshot:section_cartpole",
+    "branchgym.bench.swebench:section_swebench",
 ]
 
 
