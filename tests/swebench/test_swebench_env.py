@@ -208,8 +208,8 @@ def test_errors_are_typed(tasks):
     with pytest.raises(DataError, match="repos_dir"):
         gym.make(ENV_ID, tasks=[tasks[0].to_record()])
     fresh = gym.make(ENV_ID)
-    with pytest.raises(ResetNeededError):
-        fresh.step("ls")
+    with pytest.raises(ResetNeededError):  # the env's own check (under OrderEnforcing)
+        fresh.unwrapped.step("ls")
     with pytest.raises(ResetNeededError):
         fresh.unwrapped.snapshot()
     fresh.close()

@@ -32,7 +32,7 @@ from branchgym.error import DataError
 __all__ = ["TaskDef", "TASK_DEFS", "build_generated_tasks", "generated_tasks", "generated_repos"]
 
 #: Bump when the build procedure changes (the cache key includes it).
-FORMAT_VERSION = 2
+FORMAT_VERSION = 3
 
 _GITIGNORE = "__pycache__/\n*.pyc\n.pytest_cache/\n"
 
@@ -79,10 +79,11 @@ class TaskDef:
     @property
     def fix_command(self) -> str:
         """One shell line that applies the gold fix (from any working directory)."""
+        # One physical line (no newline even inside the quotes), so it can be typed or
+        # piped line by line, as `branchgym play` reads its input.
         code = (
-            "import pathlib\n"
-            f"for p, a, b in {[list(r) for r in self.fix]!r}:\n"
-            "    f = pathlib.Path(p); f.write_text(f.read_text().replace(a, b, 1))"
+            "import pathlib; [pathlib.Path(p).write_text(pathlib.Path(p).read_text()"
+            f".replace(a, b, 1)) for p, a, b in {[list(r) for r in self.fix]!r}]"
         )
         return "cd /testbed && python3 -c " + shlex.quote(code)
 
