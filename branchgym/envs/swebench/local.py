@@ -1058,5 +1058,13 @@ def wait_for_cleanup() -> None:
         store.reaper.wait()
 
 
-# Finish deletions at exit; whatever a killed process leaves, the next one removes.
-atexit.register(wait_for_cleanup)
+def _at_exit() -> None:
+    """Finish deletions, and remove this process's folder when nothing is left in it."""
+    wait_for_cleanup()
+    for store in list(_Store._instances.values()):
+        if not any(store.boxes.iterdir()) and not any(store.layers.iterdir()):
+            shutil.rmtree(store.root, ignore_errors=True)
+
+
+# Whatever a killed process leaves, the next one removes (_cleanup_stale).
+atexit.register(_at_exit)
