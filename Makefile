@@ -5,7 +5,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
 # Every extra the test suite exercises.
-TEST_EXTRAS ?= test,webshop,alfworld
+TEST_EXTRAS ?= test,webshop,alfworld,swebench,docker
 # The ALFWorld engine, pinned. Installed with --no-deps (its declared dependencies pull
 # spaCy through jericho); the small ones it needs come from the `alfworld` extra. pip then
 # reports that jericho wants spaCy: only jericho's own spaCy helpers import it, and
@@ -41,7 +41,7 @@ alfworld: $(ALFWORLD_STAMP)
 test: $(PY) $(ALFWORLD_STAMP)
 	$(PIP) install -q -e '.[$(TEST_EXTRAS)]'
 	$(VENV)/bin/ruff check .
-	$(PY) -m pytest $(PYTEST_ARGS)
+	scripts/with_docker.sh $(PY) -m pytest $(PYTEST_ARGS)
 
 clean:
 	rm -rf $(VENV) build dist *.egg-info .pytest_cache .hypothesis

@@ -307,6 +307,14 @@ class StackSnapshot(Snapshot):
         )
 
     @property
+    def released(self) -> bool:
+        """True once this view or its inner snapshot was released (e.g. by ``env.close()``)."""
+        if self._released:
+            return True
+        payload = self._payload
+        return payload is not None and payload[1].released
+
+    @property
     def inner(self) -> Snapshot:
         """The snapshot of the innermost snapshot-capable layer."""
         return self.payload[1]

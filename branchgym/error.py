@@ -24,6 +24,8 @@ __all__ = [
     "FidelityViolation",
     "DependencyMissingError",
     "LossInputError",
+    "SandboxError",
+    "SandboxUnavailableError",
 ]
 
 
@@ -104,3 +106,11 @@ class DependencyMissingError(Error, ImportError):
 
 class LossInputError(Error, ValueError):
     """Inputs to an advantage or loss function are malformed (shape, value or option)."""
+
+
+class SandboxError(Error, RuntimeError):
+    """A sandbox operation failed (a path outside the repository, a closed sandbox)."""
+
+
+class SandboxUnavailableError(SandboxError):
+    """A sandbox backend cannot run on this machine (no mounts, no Docker daemon, no image)."""

@@ -330,3 +330,13 @@ def test_reseed_through_strategy_wrappers(strategy):
         assert snap.step == 0 and snap.meta["replay_depth"] == 0
         with pytest.raises(ValueError, match="explicit seed"):
             branchgym.reseed(env, None)
+
+
+def test_stack_view_reports_release_of_its_inner_snapshot(tree_env):
+    tree_env.reset(seed=0)
+    snap = tree_env.snapshot()
+    assert not snap.released
+    snap.inner.release()  # as an env's close() does for the snapshots it owns
+    assert snap.released
+    with pytest.raises(SnapshotReleasedError):
+        tree_env.restore(snap)

@@ -38,6 +38,7 @@ SECTIONS: list[str] = [
     "branchgym.bench.snapshot:section_cartpole",
     "branchgym.envs.webshop.bench:section_webshop",
     "branchgym.envs.alfworld.bench:section_alfworld",
+    "branchgym.bench.swebench:section_swebench",
 ]
 
 

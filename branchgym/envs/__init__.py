@@ -42,3 +42,12 @@ def register_builtin_envs() -> None:
         ),
         max_episode_steps=40,
     )
+    register(
+        "branchgym/SWEBench-v0",
+        "branchgym.envs.swebench.env:SWEBenchEnv",
+        kind="overlay",
+        picklable=False,
+        max_episode_steps=50,
+        description="repository tasks by shell commands + submit, SWE-bench grading "
+        "(12 generated tasks; overlayfs or git sandboxes under bubblewrap)",
+    )

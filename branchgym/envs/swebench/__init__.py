@@ -1,0 +1,10 @@
+"""SWE-bench: repository tasks in snapshottable sandboxes, graded as SWE-bench grades them.
+
+* :mod:`~branchgym.envs.swebench.tasks`: the instance format and task-file loaders;
+* :mod:`~branchgym.envs.swebench.generated`: twelve generated tasks (real git repos);
+* :mod:`~branchgym.envs.swebench.grading`: patch application, the pytest log parser, reports;
+* :mod:`~branchgym.envs.swebench.sandbox`: the ``Sandbox`` interface; backends in
+  :mod:`~branchgym.envs.swebench.local` (overlayfs / git trees, under bubblewrap) and
+  :mod:`~branchgym.envs.swebench.docker_backend` (containers, ``docker`` extra);
+* :mod:`~branchgym.envs.swebench.env`: ``branchgym/SWEBench-v0``.
+"""

@@ -1,0 +1,41 @@
+"""Session fixtures of the SWE-bench tests: one task set, one checkout per task, shared backends."""
+
+import pytest
+
+from branchgym.envs.swebench.generated import generated_repos, generated_tasks
+from branchgym.envs.swebench.local import LocalBackend
+from branchgym.envs.swebench.tasks import ensure_checkout
+
+
+@pytest.fixture(scope="session")
+def tasks():
+    return generated_tasks()
+
+
+@pytest.fixture(scope="session")
+def task_by_name(tasks):
+    return {t.repo.split("/")[1]: t for t in tasks}
+
+
+@pytest.fixture(scope="session")
+def checkout(tasks):
+    repos = generated_repos()
+    return lambda task: ensure_checkout(task, repos)
+
+
+@pytest.fixture(scope="session", params=["overlay", "git"])
+def local_backend(request):
+    return LocalBackend(request.param)
+
+
+@pytest.fixture(scope="session")
+def overlay_backend():
+    return LocalBackend("overlay")
+
+
+@pytest.fixture
+def sandbox(local_backend, task_by_name, checkout):
+    task = task_by_name["textstats"]
+    sb = local_backend.create(task, checkout(task))
+    yield sb
+    sb.close()
