@@ -241,6 +241,7 @@ class FidelityCheck(SnapshotWrapper, gym.utils.RecordConstructorArgs):
         self._step = 0
         self._last: tuple[Any, dict[str, Any]] | None = None
         self._twin: _Twin | None = None
+        self._twin_env: gym.Env | None = None
         self._sampled = 0.0
 
     # ------------------------------------------------------------------ gym API
@@ -269,6 +270,7 @@ class FidelityCheck(SnapshotWrapper, gym.utils.RecordConstructorArgs):
     def close(self) -> None:
         """Close the twin and the env."""
         self._close_twin()
+        self._discard_twin_env()
         super().close()
 
     # ------------------------------------------------------------------ snapshots
@@ -401,23 +403,27 @@ class FidelityCheck(SnapshotWrapper, gym.utils.RecordConstructorArgs):
         if not route:
             self.stats["twins_skipped"] += 1
             return
-        if self._env_fn is None:  # set in __init__ whenever shadow is on
-            return
-        twin = self._env_fn()
-        if _contains_fidelity_check(twin):
-            twin.close()
-            raise FidelitySetupError(
-                "env_fn builds an env that contains a FidelityCheck; the twin must be the "
-                "plain env (FidelityCheck(make(), env_fn=make), not env_fn=lambda: "
-                "FidelityCheck(make()))."
-            )
+        twin = self._twin_env
+        if twin is None:
+            if self._env_fn is None:  # set in __init__ whenever shadow is on
+                return
+            # One twin instance per wrapper, reset for every restore: building an env can
+            # cost far more than replaying a prefix.
+            twin = self._env_fn()
+            if _contains_fidelity_check(twin):
+                twin.close()
+                raise FidelitySetupError(
+                    "env_fn builds an env that contains a FidelityCheck; the twin must be the "
+                    "plain env (FidelityCheck(make(), env_fn=make), not env_fn=lambda: "
+                    "FidelityCheck(make()))."
+                )
+            self._twin_env = twin
         try:
             if route == "replay":
                 t_obs, t_info = twin.reset(seed=rec["seed"], options=copy.deepcopy(rec["options"]))
                 for i, a in enumerate(rec["actions"]):
                     t_obs, _, term, trunc, t_info = twin.step(copy.deepcopy(a))
                     if (term or trunc) and i != len(rec["actions"]) - 1:
-                        twin.close()
                         self._violate(
                             Violation(
                                 "shadow",
@@ -435,7 +441,7 @@ class FidelityCheck(SnapshotWrapper, gym.utils.RecordConstructorArgs):
                 twin.reset(seed=0 if rec["seed"] is None else rec["seed"] + 1)
                 t_obs, t_info = restore(twin, pickle.loads(pickle.dumps(snap)))
         except Exception:
-            twin.close()
+            self._discard_twin_env()
             raise
         self.stats["twins"] += 1
         d = first_step_difference(
@@ -445,7 +451,6 @@ class FidelityCheck(SnapshotWrapper, gym.utils.RecordConstructorArgs):
             ignore=self._volatile,
         )
         if d is not None:
-            twin.close()
             self._violate(
                 Violation(
                     "shadow",
@@ -461,7 +466,6 @@ class FidelityCheck(SnapshotWrapper, gym.utils.RecordConstructorArgs):
         if self._rng_excluded:
             # The stack declares its RNG outside the snapshot: continuations agree only in
             # distribution (branchgym.testing's distributional mode tests that).
-            twin.close()
             return
         self._twin = _Twin(twin, route, rec["step"], self.shadow_steps)
 
@@ -473,6 +477,7 @@ class FidelityCheck(SnapshotWrapper, gym.utils.RecordConstructorArgs):
             t_out = tw.env.step(copy.deepcopy(action))
         except Exception as exc:  # a twin that crashes where the live env did not
             self._close_twin()
+            self._discard_twin_env()
             self._violate(
                 Violation(
                     "shadow",
@@ -517,9 +522,16 @@ class FidelityCheck(SnapshotWrapper, gym.utils.RecordConstructorArgs):
             self._close_twin()
 
     def _close_twin(self) -> None:
-        if self._twin is not None:
-            twin, self._twin = self._twin, None
-            twin.env.close()
+        """Stop following (the twin instance is kept for the next restore)."""
+        self._twin = None
+
+    def _discard_twin_env(self) -> None:
+        if self._twin_env is not None:
+            env, self._twin_env = self._twin_env, None
+            try:
+                env.close()
+            except Exception:  # a twin that cannot close is not worth masking the cause
+                pass
 
     def _violate(self, v: Violation) -> None:
         self.violations.append(v)

@@ -10,6 +10,11 @@ from __future__ import annotations
 #: study name -> (module, one-line description)
 STUDIES: dict[str, tuple[str, str]] = {
     "snapshot": ("branchgym.bench.snapshot", "snapshot/restore cost and bytes per env, vs replay"),
+    "fidelity": ("branchgym.bench.fidelity", "FidelityCheck overhead per env and mode"),
+    "erosion": (
+        "branchgym.bench.erosion",
+        "bias of sibling advantages (eq. 4) under injected nondeterminism",
+    ),
 }
 
 __all__ = ["STUDIES"]
