@@ -207,6 +207,7 @@ class FidelityCheck(SnapshotWrapper, gym.utils.RecordConstructorArgs):
         gym.Wrapper.__init__(self, env)
         self.mode = mode
         self.checks = _MODES[mode]
+        self._shadow = "shadow" in self.checks
         self.on_violation = on_violation
         self.twin = twin
         self.shadow_steps = shadow_steps
@@ -258,7 +259,7 @@ class FidelityCheck(SnapshotWrapper, gym.utils.RecordConstructorArgs):
 
     def step(self, action: Any):
         """Step the env (and the twin, in shadow mode) and compare."""
-        if "shadow" in self.checks:
+        if self._shadow:  # only a replay twin needs the action prefix
             self._actions.append(copy.deepcopy(action))
         out = self.env.step(action)
         self._step += 1

@@ -11,17 +11,21 @@ Two workloads on every registered env that can be built here, each run plain and
   overhead per step once snapshot and restore costs (one ``state_digest`` each in digest
   mode) are amortised.
 
-The variants run interleaved, block after block, and each overhead is the median over
-blocks of the paired ratio (variant time / plain time of the same block), so load on a
-shared machine cancels instead of landing on one variant. A last section times the
-property suite (``check_snapshot_fidelity`` at its default budget) per env.
+The variants run the same seeded episodes, interleaved episode by episode, with the
+garbage collector off while timing. A block summarises each variant by the median
+``step()`` call (steps) and the median per-step time of its episodes (branching): on a
+shared machine a preempted call lasts 100 times a normal one, and sums would measure the
+scheduler. Each overhead is the median over blocks of the paired ratio to the plain env
+in the same block. A
+last section times the property suite (``check_snapshot_fidelity`` at its default
+budget) per env.
 """
 
 from __future__ import annotations
 
 import argparse
+import gc
 import time
-from collections.abc import Callable
 from typing import Any
 
 import gymnasium as gym
@@ -31,7 +35,7 @@ from tqdm import tqdm
 from branchgym.bench.common import Report
 from branchgym.checker import ActionChooser
 
-__all__ = ["configure", "main", "VARIANTS", "step_block", "branching_block"]
+__all__ = ["configure", "main", "VARIANTS", "step_episode", "branching_episode"]
 
 #: variant name -> wrapper applied to ``gym.make(id)`` (None: the plain env).
 VARIANTS: dict[str, dict[str, Any] | None] = {
@@ -47,8 +51,8 @@ TARGET = 0.10  # digest mode must add under 10 % to step time
 def configure(parser: argparse.ArgumentParser) -> None:
     """Add this study's options."""
     parser.add_argument("--out", default="results", help="results folder (default: results)")
-    parser.add_argument("--blocks", type=int, default=15, help="interleaved blocks per variant")
-    parser.add_argument("--episodes", type=int, default=30, help="episodes per block")
+    parser.add_argument("--blocks", type=int, default=15, help="blocks (each gives one ratio)")
+    parser.add_argument("--episodes", type=int, default=200, help="episodes per block")
     parser.add_argument("--envs", nargs="*", default=None, help="env ids (default: all)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--quick", action="store_true", help="fewer blocks and episodes (CI)")
@@ -66,67 +70,79 @@ def _make(env_id: str, variant: dict[str, Any] | None) -> gym.Env:
     return FidelityCheck(env, on_violation="record", **variant)
 
 
-def step_block(env: gym.Env, *, seed: int, episodes: int) -> tuple[float, int]:
-    """Seeded episodes; returns (seconds inside ``step()``, steps)."""
-    chooser = ActionChooser(env, seed)
-    spent, steps = 0.0, 0
-    for ep in range(episodes):
-        _, info = env.reset(seed=seed + ep)
-        done = False
-        while not done and steps < 100_000:
-            a = chooser(info)
-            t0 = time.perf_counter()
-            _, _, term, trunc, info = env.step(a)
-            spent += time.perf_counter() - t0
-            steps += 1
-            done = term or trunc
-    return spent, steps
+def step_episode(env: gym.Env, chooser: ActionChooser, seed: int) -> list[float]:
+    """One seeded episode; returns the duration of each ``step()`` call in seconds."""
+    _, info = env.reset(seed=seed)
+    out: list[float] = []
+    done = False
+    while not done and len(out) < 10_000:
+        a = chooser(info)
+        t0 = time.perf_counter()
+        _, _, term, trunc, info = env.step(a)
+        out.append(time.perf_counter() - t0)
+        done = term or trunc
+    return out
 
 
-def branching_block(env: gym.Env, *, seed: int, episodes: int) -> tuple[float, int]:
-    """Backbone + 2 branch points x 3 siblings per episode; returns (seconds, steps)."""
-    chooser = ActionChooser(env, seed)
-    rng = np.random.default_rng(seed)
-    steps = 0
+def branching_episode(
+    env: gym.Env, chooser: ActionChooser, seed: int, rng: np.random.Generator
+) -> tuple[float, int]:
+    """Backbone + 2 branch points x 3 siblings; returns (seconds for all of it, steps)."""
     t0 = time.perf_counter()
-    for ep in range(episodes):
-        _, info = env.reset(seed=seed + ep)
-        points, done = [], False
-        while not done:
-            if len(points) < 2 and rng.random() < 0.5:
-                points.append(env.snapshot())
-            _, _, term, trunc, info = env.step(chooser(info))
-            steps += 1
-            done = term or trunc
-        for snap in points:
-            for _ in range(3):
-                _, info = env.restore(snap)
-                done = False
-                while not done:
-                    _, _, term, trunc, info = env.step(chooser(info))
-                    steps += 1
-                    done = term or trunc
-            snap.release()
+    _, info = env.reset(seed=seed)
+    points, done, steps = [], False, 0
+    while not done:
+        if len(points) < 2 and rng.random() < 0.5:
+            points.append(env.snapshot())
+        _, _, term, trunc, info = env.step(chooser(info))
+        steps += 1
+        done = term or trunc
+    for snap in points:
+        for _ in range(3):
+            _, info = env.restore(snap)
+            done = False
+            while not done:
+                _, _, term, trunc, info = env.step(chooser(info))
+                steps += 1
+                done = term or trunc
+        snap.release()
     return time.perf_counter() - t0, steps
 
 
 def _measure(env_id: str, *, seed: int, blocks: int, episodes: int) -> dict[str, Any]:
     envs = {name: _make(env_id, v) for name, v in VARIANTS.items()}
+    names = list(envs)
+    # Same seeds, same choosers, same branch points: every variant runs the same episodes.
+    choosers = {n: ActionChooser(e, seed) for n, e in envs.items()}
+    rngs = {n: np.random.default_rng(seed) for n in envs}
     per_step: dict[str, dict[str, list[float]]] = {
         w: {n: [] for n in envs} for w in ("steps", "branching")
     }
-    workloads: dict[str, Callable[..., tuple[float, int]]] = {
-        "steps": step_block,
-        "branching": branching_block,
-    }
-    names = list(envs)
     try:
         for b in range(blocks):
-            order = names[b % len(names) :] + names[: b % len(names)]  # rotate: no order bias
-            for w, fn in workloads.items():
-                for name in order:
-                    secs, steps = fn(envs[name], seed=seed + 1000 * b, episodes=episodes)
-                    per_step[w][name].append(secs / max(steps, 1) * 1e6)
+            calls: dict[str, list[float]] = {n: [] for n in envs}
+            episodes_us: dict[str, list[float]] = {n: [] for n in envs}
+            gc.collect()
+            gc.disable()  # as timeit does: a collection would land on whoever runs then
+            try:
+                for ep in range(episodes):
+                    # Variants alternate episode by episode (rotating who goes first), so a
+                    # change of load on the machine hits all of them alike.
+                    order = names[ep % len(names) :] + names[: ep % len(names)]
+                    ep_seed = seed + 100_000 * b + ep
+                    for name in order:
+                        calls[name] += step_episode(envs[name], choosers[name], ep_seed)
+                    for name in order:
+                        secs, steps = branching_episode(
+                            envs[name], choosers[name], ep_seed, rngs[name]
+                        )
+                        episodes_us[name].append(secs / max(steps, 1) * 1e6)
+            finally:
+                gc.enable()
+            # Medians, not sums: on a shared machine a preempted call is 100x a normal one.
+            for name in envs:
+                per_step["steps"][name].append(float(np.median(calls[name])) * 1e6)
+                per_step["branching"][name].append(float(np.median(episodes_us[name])))
         violations = {n: len(getattr(e, "violations", ())) for n, e in envs.items()}
     finally:
         for e in envs.values():
@@ -170,11 +186,12 @@ def section_overhead(report: Report, args: argparse.Namespace) -> dict[str, Any]
                 ]
             )
     report.add(
-        f"## Overhead of FidelityCheck\n\n{args.blocks} interleaved blocks of "
-        f"{args.episodes} episodes per variant; overhead = median over blocks of the paired "
-        "ratio to the plain env in the same block. *steps*: time inside step() only. "
-        "*branching*: everything (steps, snapshots, restores, digests, twins) per step of a "
-        "backbone + 2 branch points x 3 siblings workload."
+        f"## Overhead of FidelityCheck\n\n{args.blocks} blocks of {args.episodes} episodes, "
+        "the variants alternating episode by episode; overhead = median over blocks of the "
+        "paired ratio to the plain env in the same block. *steps*: the median step() call. "
+        "*branching*: the median over episodes of everything (steps, snapshots, restores, "
+        "digests, twins) per step of a backbone + 2 branch points x 3 siblings workload. "
+        "The garbage collector is off while timing."
     )
     print(
         report.table(
@@ -253,7 +270,7 @@ def section_suite(report: Report, args: argparse.Namespace) -> None:
 def main(args: argparse.Namespace) -> int:
     """Run the sections and write ``<out>/fidelity.md``."""
     if args.quick:
-        args.blocks, args.episodes = min(args.blocks, 5), min(args.episodes, 10)
+        args.blocks, args.episodes = min(args.blocks, 5), min(args.episodes, 40)
     report = Report(args.out, "fidelity", "branchgym bench fidelity")
     section_overhead(report, args)
     if not args.no_suite:
