@@ -201,3 +201,15 @@ def test_shadow_steps_limits_the_twin():
         env.step("go north")
         env.step("go north")
     assert env.stats["shadowed_steps"] == 1
+
+
+def test_branchgym_restore_on_an_outermost_delegating_wrapper():
+    """Regression: core.restore() used to unwrap the wrapper's own StackSnapshot."""
+    env = FidelityCheck(gym.make(TREE))
+    env.reset(seed=0)
+    env.step(1)
+    snap = branchgym.snapshot(env)  # FidelityCheck's snapshot of the stack below it
+    before = branchgym.state_digest(env)
+    env.step(0)
+    branchgym.restore(env, snap)
+    assert branchgym.state_digest(env) == before and env.stats["verified"] == 1
