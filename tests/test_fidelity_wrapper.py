@@ -203,6 +203,44 @@ def test_shadow_steps_limits_the_twin():
     assert env.stats["shadowed_steps"] == 1
 
 
+def _trace(env, seed):
+    """Every output of a seeded branching run (the same program for any env)."""
+    from branchgym.checker import ActionChooser
+
+    out, chooser = [], ActionChooser(env, seed)
+    for ep in range(5):
+        obs, info = env.reset(seed=ep)
+        out.append((obs, info))
+        with env.snapshot() as snap:
+            for _ in range(3):
+                out.append(env.restore(snap))
+                done = False
+                while not done:
+                    step = env.step(chooser(info))
+                    out.append(step)
+                    info, done = step[4], step[2] or step[3]
+    return out
+
+
+@pytest.mark.parametrize("mode", ["digest", "shadow", "both"])
+def test_fidelity_check_is_transparent(mode):
+    """Agreement: the same program on the wrapped and the unwrapped env gives the same."""
+    from branchgym.compare import first_difference
+
+    plain = _trace(gym.make(TEXT), 0)
+    wrapped = _trace(FidelityCheck(gym.make(TEXT), mode=mode), 0)
+    assert first_difference(wrapped, plain) is None
+
+
+def test_snapshots_through_the_wrapper_pass_the_property_suite():
+    from branchgym.testing import check_snapshot_fidelity
+
+    report = check_snapshot_fidelity(
+        lambda: FidelityCheck(gym.make(TREE), mode="both"), max_examples=20
+    )
+    assert report.ok, str(report)
+
+
 def test_branchgym_restore_on_an_outermost_delegating_wrapper():
     """Regression: core.restore() used to unwrap the wrapper's own StackSnapshot."""
     env = FidelityCheck(gym.make(TREE))

@@ -45,6 +45,11 @@ def test_fixture(snapshot_fidelity):
 """
 
 
+def test_fixture_is_available_in_this_session(snapshot_fidelity):
+    report = snapshot_fidelity("branchgym/TreeMDP-v0", max_examples=10)
+    assert report.ok and report.examples >= 10
+
+
 @pytest.mark.slow
 def test_plugin_adds_ini_tests_and_the_fixture(tmp_path):
     (tmp_path / "sandbox.py").write_text(SANDBOX)

@@ -141,7 +141,7 @@ def test_machine_runs_under_plain_hypothesis():
     from hypothesis import settings
 
     machine = fidelity_machine(lambda: gym.make(TREE))
-    settings(max_examples=5, stateful_step_count=10, deadline=None)(machine)
+    settings(max_examples=5, stateful_step_count=10, deadline=None, database=None)(machine)
     machine.TestCase().runTest()
 
 
