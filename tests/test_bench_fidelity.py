@@ -31,12 +31,12 @@ def test_exact_bias_is_zero_without_fault_and_for_the_rng_control():
 def test_measured_error_matches_the_closed_form():
     clean = run_rate(p=0.0, kind="slip", prompts=500, K=4, depth=4, seed=0)
     lo, ci = clean["siblings"]
-    assert abs(lo) < ci  # eq. 4 is unbiased without a fault
+    assert abs(lo) < 1.5 * ci  # eq. 4 is unbiased without a fault
     faulty = run_rate(p=0.2, kind="slip", prompts=500, K=4, depth=4, seed=0)
     assert faulty["relative_rms_bias"] > 0.2 and faulty["exact_slope"] < 0.85
     assert abs(faulty["slope"] - faulty["exact_slope"]) < 0.12
     mean, ci = faulty["backbone"]
-    assert abs(mean - faulty["exact_backbone"]) < 1.5 * ci
+    assert abs(mean - faulty["exact_backbone"]) < 2 * ci
     control = run_rate(p=0.2, kind="rng", prompts=300, K=4, depth=4, seed=0)
     assert control["faulty_restores"] > 0 and control["relative_rms_bias"] == 0.0
 
