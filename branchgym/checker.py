@@ -99,8 +99,20 @@ class ActionChooser:
 
 
 def volatile_keys(env: gym.Env) -> tuple[str, ...]:
-    """The info keys an env declares volatile (differ between runs by design)."""
-    return tuple(getattr(env.unwrapped, "volatile_info_keys", ()))
+    """The info keys an env declares volatile (differ between runs by design).
+
+    The base env and every wrapper above it may declare ``volatile_info_keys``: a wrapper
+    that adds a timing field to ``info`` declares it where it adds it.
+    """
+    keys: list[str] = []
+    e: Any = env
+    while True:
+        for k in getattr(e, "volatile_info_keys", ()):
+            if k not in keys:
+                keys.append(k)
+        if not isinstance(e, gym.Wrapper):
+            return tuple(keys)
+        e = e.env
 
 
 def _strip(info: dict[str, Any], volatile: tuple[str, ...]) -> dict[str, Any]:

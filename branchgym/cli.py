@@ -1,9 +1,10 @@
 """The ``branchgym`` command: list, check, play and bench.
 
 branchgym list                         registered envs, snapshot kind, picklable
-branchgym check ENV_ID|module:attr     snapshot checks; exit 1 on any failure
+branchgym check ENV_ID|module:attr     snapshot checks + fidelity suite; exit 1 on failure
 branchgym play ENV_ID                  play by hand, fork with :snap / :restore N
 branchgym bench STUDY [...]            benchmarks (branchgym bench --help)
+branchgym scenarios                    injected faults x fidelity checks: detection matrix
 """
 
 from __future__ import annotations
@@ -49,10 +50,46 @@ def configure_check(p: argparse.ArgumentParser) -> None:
         "--all", action="store_true", help="check every registered env that can be built"
     )
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--max-examples",
+        type=int,
+        default=None,
+        help="programs the fidelity property suite generates (default: its default budget)",
+    )
+    p.add_argument(
+        "--fidelity-mode",
+        choices=("auto", "exact", "distributional"),
+        default="auto",
+        help="exact step comparison, or distribution tests for envs whose snapshots leave "
+        "the RNG out (auto: read snapshot_includes_rng)",
+    )
+    p.add_argument(
+        "--no-fidelity", action="store_true", help="run check_env only, not the property suite"
+    )
+
+
+def _fidelity_report(target: str, args: argparse.Namespace) -> bool:
+    """Print the property suite's report for ``target``; True when it passed."""
+    from branchgym.testing import DEFAULT_MAX_EXAMPLES, check_snapshot_fidelity
+
+    try:
+        report = check_snapshot_fidelity(
+            target,
+            seed=args.seed,
+            max_examples=args.max_examples or DEFAULT_MAX_EXAMPLES,
+            mode=args.fidelity_mode,
+        )
+    except Error:
+        raise
+    except Exception as exc:  # the env cannot even be built: report, do not trace back
+        print(f"check_snapshot_fidelity: {target}\n  FAILED: {type(exc).__name__}: {exc}")
+        return False
+    print(report)
+    return report.ok
 
 
 def cmd_check(args: argparse.Namespace) -> int:
-    """Run the snapshot checks; exit 1 when any fails."""
+    """Run the snapshot checks and the fidelity property suite; exit 1 when any fails."""
     from branchgym.checker import check_env
 
     if args.all:
@@ -67,6 +104,8 @@ def cmd_check(args: argparse.Namespace) -> int:
         report = check_env(target, seed=args.seed)
         print(report)
         ok = ok and report.ok
+        if not args.no_fidelity:
+            ok = _fidelity_report(target, args) and ok
     return 0 if ok else 1
 
 
@@ -226,6 +265,65 @@ def cmd_bench(args: argparse.Namespace) -> int:
     return int(importlib.import_module(args._study_module).main(args) or 0)
 
 
+# ------------------------------------------------------------------- scenarios
+
+
+def configure_scenarios(p: argparse.ArgumentParser) -> None:
+    """Options of ``branchgym scenarios``."""
+    p.add_argument("--seeds", type=int, default=3, help="seeds per scenario and env (default 3)")
+    p.add_argument(
+        "--quick",
+        action="store_true",
+        help="CI size: 1 seed, a 200-step workload, 30 programs for benign rows (must-detect "
+        "rows keep the property suite's default budget)",
+    )
+    p.add_argument("--scenarios", nargs="*", default=None, help="scenario names (default: all)")
+    p.add_argument(
+        "--envs",
+        nargs="*",
+        default=None,
+        help="env ids (default: branchgym.scenarios.SCENARIO_ENVS; any registered id works)",
+    )
+    p.add_argument("--list", action="store_true", help="list the scenarios and exit")
+    p.add_argument("--out", default=None, help="also write <out>/scenarios.md")
+
+
+def cmd_scenarios(args: argparse.Namespace) -> int:
+    """Print the detection matrix; exit 1 on a missed must-detect or a flagged benign row."""
+    from pathlib import Path
+
+    from branchgym.bench.common import markdown_table
+    from branchgym.scenarios import SCENARIO_ENVS, SCENARIOS, ScenarioEnv
+    from branchgym.scenarios.matrix import render_matrix, run_matrix
+
+    if args.list:
+        rows = [
+            [s.name, s.verdict, ", ".join(s.needs) or "-", s.summary] for s in SCENARIOS.values()
+        ]
+        print(markdown_table(["scenario", "expected", "needs", "bug modelled"], rows))
+        return 0
+    known = {e.id: e for e in SCENARIO_ENVS}
+    envs = [known.get(i, ScenarioEnv(i)) for i in args.envs] if args.envs else None
+    seeds = range(1 if args.quick else args.seeds)
+    rows = run_matrix(
+        args.scenarios,
+        envs,
+        seeds=seeds,
+        workload_steps=200 if args.quick else 300,
+        benign_max_examples=30 if args.quick else None,
+    )
+    text = render_matrix(rows)
+    print(text)
+    if args.out:
+        out = Path(args.out)
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "scenarios.md").write_text(f"# branchgym scenarios\n\n{text}\n")
+    bad = [r for r in rows if r.outcome in ("MISSED", "FALSE POSITIVE")]
+    for r in bad:
+        print(f"{r.outcome}: {r.scenario} on {r.env}", file=sys.stderr)
+    return 1 if bad else 0
+
+
 #: command name -> (configure, run, help). Later features add theirs here.
 COMMANDS: dict[
     str,
@@ -241,6 +339,11 @@ COMMANDS: dict[
         alfworld_cli.configure,
         alfworld_cli.run,
         "ALFWorld problems: generate, rebuild the shipped sets, run the planner expert",
+    ),
+    "scenarios": (
+        configure_scenarios,
+        cmd_scenarios,
+        "injected fidelity faults x checks: detection matrix (exit 1 on a miss)",
     ),
 }
 

@@ -9,12 +9,12 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import numpy as np
 
-__all__ = ["Difference", "first_difference", "equivalent"]
+__all__ = ["Difference", "first_difference", "equivalent", "first_step_difference", "STEP_FIELDS"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -122,3 +122,30 @@ def _is_plain_seq(x: Any) -> bool:
 
 def _is_number(x: Any) -> bool:
     return isinstance(x, int | float | np.integer | np.floating) and not isinstance(x, bool)
+
+
+#: Names of the fields of a Gymnasium step tuple, as violation reports print them.
+STEP_FIELDS = ("obs", "reward", "terminated", "truncated", "info")
+
+
+def first_step_difference(
+    a: Sequence[Any],
+    b: Sequence[Any],
+    *,
+    fields: Sequence[str] = STEP_FIELDS,
+    atol: float = 0.0,
+    ignore: tuple[str, ...] = (),
+) -> Difference | None:
+    """:func:`first_difference` over step tuples, with named fields in the path.
+
+    ``(obs, reward, terminated, truncated, info)`` tuples differ at ``obs``, ``reward`` or
+    ``info['admissible_actions'][2]`` rather than at ``[0]``; pass
+    ``fields=("obs", "info")`` for the ``(obs, info)`` pairs of ``reset``/``restore``.
+    """
+    if len(a) != len(fields) or len(b) != len(fields):
+        return Difference("len(step)", len(a), len(b))
+    for name, x, y in zip(fields, a, b, strict=True):
+        d = first_difference(x, y, atol=atol, ignore=ignore, path=name)
+        if d is not None:
+            return d
+    return None

@@ -731,7 +731,10 @@ def restore(env: gym.Env, snap: Snapshot) -> tuple[Any, dict[str, Any]]:
     for w in wrappers:
         _handler(w)  # unknown wrappers fail before anything changes
     stateful = [w for w in wrappers if _handler(w).attrs]
-    if isinstance(snap, StackSnapshot):
+    # A SnapshotWrapper that is itself the outermost layer may return a StackSnapshot of
+    # the stack *below* it (it delegates to snapshot(self.env)); snapshot() hands that
+    # back unchanged, so restore() must hand it to the wrapper unchanged too.
+    if isinstance(snap, StackSnapshot) and (wrappers or not isinstance(owner, SnapshotWrapper)):
         layers, inner = snap.layers, snap.inner
     else:
         layers, inner = (), snap

@@ -6,6 +6,8 @@ Every message says what to do about it. All errors derive from :class:`Error`, s
 
 from __future__ import annotations
 
+from typing import Any
+
 __all__ = [
     "Error",
     "UnknownEnvError",
@@ -22,6 +24,8 @@ __all__ = [
     "DataError",
     "GameLoadError",
     "FidelityViolation",
+    "FidelitySetupError",
+    "FidelityWarning",
     "DependencyMissingError",
     "LossInputError",
     "SandboxError",
@@ -89,7 +93,24 @@ class GameLoadError(DataError):
 
 
 class FidelityViolation(SnapshotError, AssertionError):
-    """A restored state behaves differently from the state that was snapshotted."""
+    """A restored state behaves differently from the state that was snapshotted.
+
+    Attributes:
+        violation: The structured record (``branchgym.wrappers.fidelity.Violation``): the
+            check that caught it, the first diverging step, the field and both values.
+    """
+
+    def __init__(self, message: str = "", violation: Any = None) -> None:
+        super().__init__(message)
+        self.violation = violation
+
+
+class FidelitySetupError(Error, ValueError):
+    """A fidelity check is configured wrongly (unknown mode, no way to build a twin)."""
+
+
+class FidelityWarning(UserWarning):
+    """Warning category of ``FidelityCheck(on_violation="warn")``; filter it like any warning."""
 
 
 class DependencyMissingError(Error, ImportError):

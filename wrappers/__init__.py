@@ -2,9 +2,12 @@
 
 * :class:`PickleSnapshot` makes any Gymnasium env snapshottable by copying its state.
 * :class:`ReplaySnapshot` does it by resetting with the recorded seed and replaying actions.
+* :class:`FidelityCheck` verifies, while the env runs, that restores are faithful
+  (``digest`` and ``shadow`` modes).
 """
 
+from branchgym.wrappers.fidelity import FidelityCheck, Violation
 from branchgym.wrappers.pickle_snapshot import PickleSnapshot
 from branchgym.wrappers.replay_snapshot import ReplaySnapshot
 
-__all__ = ["PickleSnapshot", "ReplaySnapshot"]
+__all__ = ["FidelityCheck", "PickleSnapshot", "ReplaySnapshot", "Violation"]

@@ -15,6 +15,11 @@ STUDIES: dict[str, tuple[str, str]] = {
         "branchgym.envs.webshop.bench",
         "WebShop's scripted expert: reward on a goal split",
     ),
+    "fidelity": ("branchgym.bench.fidelity", "FidelityCheck overhead per env and mode"),
+    "erosion": (
+        "branchgym.bench.erosion",
+        "bias of sibling advantages (eq. 4) under injected nondeterminism",
+    ),
 }
 
 __all__ = ["STUDIES"]
