@@ -61,16 +61,12 @@ def configure(parser: argparse.ArgumentParser) -> None:
 
 
 def sibling_advantages(returns: np.ndarray) -> np.ndarray:
-    """Eq. (4): leave-one-out advantage of each of K sibling returns (last axis).
+    """Eq. (4) on NumPy returns: the shared definition in ``branchgym.agents.losses``."""
+    import torch
 
-    Computed here so the study stands alone; after the losses module lands it should call
-    ``branchgym.agents.losses.sibling_advantages`` instead (one definition of eq. 4).
-    """
-    g = np.asarray(returns, dtype=float)
-    k = g.shape[-1]
-    if k < 2:
-        raise ValueError("eq. (4) needs K >= 2 siblings")
-    return g - (g.sum(axis=-1, keepdims=True) - g) / (k - 1)
+    from branchgym.agents.losses import sibling_advantages as eq4
+
+    return eq4(torch.as_tensor(np.asarray(returns, dtype=np.float64))).numpy()
 
 
 def exact_expected_error(
