@@ -22,6 +22,9 @@ __all__ = [
     "DataError",
     "FidelityViolation",
     "DependencyMissingError",
+    "ScheduleError",
+    "ExecutorError",
+    "EngineError",
 ]
 
 
@@ -94,3 +97,15 @@ class DependencyMissingError(Error, ImportError):
             f"{what} needs the optional dependency {module!r}. "
             f"Install it with: pip install 'branchgym[{extra}]'"
         )
+
+
+class ScheduleError(Error, ValueError):
+    """A branch schedule is unknown, or lacks the inputs it needs (exact values, a teacher)."""
+
+
+class ExecutorError(Error, RuntimeError):
+    """A sibling executor cannot run (bad worker count, a pool that was shut down)."""
+
+
+class EngineError(Error, ValueError):
+    """A generation engine got a request it cannot serve (prompt too long, bad model folder)."""
