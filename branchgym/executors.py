@@ -374,6 +374,7 @@ class Executor(abc.ABC):
         self.timeout = timeout
         self._sessions = itertools.count()
         self._where: dict[int, int] = {}
+        self._lost: dict[int, str] = {}  # session -> why (its worker died or was killed)
         self._closed = False
 
     # -- what subclasses provide ----------------------------------------------------
@@ -388,6 +389,11 @@ class Executor(abc.ABC):
     def parallelism(self) -> int:
         """How many calls run at once."""
         return 1
+
+    @property
+    def capacity(self) -> int | None:
+        """Most sessions open at once (None: no limit); the engine never exceeds it."""
+        return None
 
     # -- the API the engine uses ------------------------------------------------------
     def _check_open(self) -> None:
@@ -510,7 +516,14 @@ class Executor(abc.ABC):
         self.shutdown()
 
     def _outcomes(self, calls: list[_Call]) -> list[Outcome]:
-        results = self._run(calls)
+        live = [c for c in calls if c.session not in self._lost]
+        done = dict(zip((id(c) for c in live), self._run(live) if live else [], strict=True))
+        results = [
+            done[id(c)]
+            if id(c) in done
+            else {"error": f"session lost with its worker ({self._lost.pop(c.session)})"}
+            for c in calls
+        ]
         out = []
         for call, d in zip(calls, results, strict=True):
             o = _outcome(call.session, d)
@@ -540,6 +553,11 @@ class InProcessExecutor(Executor):
     @property
     def max_instances(self) -> int | None:
         """Instances per spec."""
+        return self.worker.max_instances
+
+    @property
+    def capacity(self) -> int | None:
+        """``max_instances`` (sessions of one spec at once)."""
         return self.worker.max_instances
 
     def _call(self, call: _Call) -> dict[str, Any]:
@@ -641,12 +659,31 @@ class _RemoteExecutor(Executor):
 
     remote = True
 
-    def __init__(self, n_workers: int, max_instances: int | None, timeout: float | None) -> None:
+    def __init__(
+        self,
+        n_workers: int,
+        max_instances: int | None,
+        timeout: float | None,
+        sessions_per_worker: int = 1,
+    ) -> None:
         super().__init__(timeout)
-        if n_workers < 1:
-            raise ExecutorError(f"n_workers must be >= 1, got {n_workers}")
+        if n_workers < 1 or sessions_per_worker < 1:
+            raise ExecutorError(
+                f"n_workers and sessions_per_worker must be >= 1, got {n_workers} and "
+                f"{sessions_per_worker}"
+            )
         self.n_workers = n_workers
         self.max_instances = max_instances
+        self.sessions_per_worker = sessions_per_worker
+
+    @property
+    def capacity(self) -> int:
+        """Most sessions at once: ``n_workers * sessions_per_worker``.
+
+        With one session per worker (the default), a sandbox that kills its worker
+        loses nothing but its own session.
+        """
+        return self.n_workers * self.sessions_per_worker
 
     @property
     def parallelism(self) -> int:
@@ -684,6 +721,7 @@ class _RemoteExecutor(Executor):
         for sid, where in list(self._where.items()):  # every session there is gone
             if where == w:
                 self._where.pop(sid)
+                self._lost[sid] = why
 
     def _run(self, calls: list[_Call]) -> list[dict[str, Any]]:
         results: list[Any] = [None] * len(calls)
@@ -738,6 +776,7 @@ def _worker_main(conn: Any, max_instances: int | None) -> None:
 
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the driver decides when workers stop
     worker = EnvWorker(max_instances, remote=True)
+    conn.send_bytes(b"ready")  # timeouts count from here, not from the spawn
     while True:
         try:
             msg = conn.recv_bytes()
@@ -763,6 +802,8 @@ class ProcessExecutor(_RemoteExecutor):
         timeout: Per-call limit; a worker past it is killed and replaced, and the
             sessions it held are reported lost.
         start_method: ``spawn`` (default, safe with torch and threads) or ``forkserver``.
+        sessions_per_worker: Sessions a worker hosts at once (1: a crash loses only the
+            crashing session).
     """
 
     name = "process"
@@ -773,9 +814,10 @@ class ProcessExecutor(_RemoteExecutor):
         max_instances: int | None = None,
         timeout: float | None = None,
         start_method: str = "spawn",
+        sessions_per_worker: int = 1,
     ) -> None:
         """Start the workers."""
-        super().__init__(n_workers, max_instances, timeout)
+        super().__init__(n_workers, max_instances, timeout, sessions_per_worker)
         self._ctx = multiprocessing.get_context(start_method)
         self._procs: list[Any] = [None] * n_workers
         self._conns: list[Any] = [None] * n_workers
@@ -787,6 +829,12 @@ class ProcessExecutor(_RemoteExecutor):
         proc = self._ctx.Process(target=_worker_main, args=(child, self.max_instances), daemon=True)
         proc.start()
         child.close()
+        if not parent.poll(120) or parent.recv_bytes() != b"ready":
+            proc.kill()
+            raise ExecutorError(
+                f"worker process {w} did not start within 120 s (exit code {proc.exitcode}); "
+                "check that branchgym imports in a fresh interpreter."
+            )
         self._procs[w], self._conns[w] = proc, parent
 
     @property
@@ -859,6 +907,7 @@ class RayExecutor(_RemoteExecutor):
         max_instances: Instances per spec in each actor.
         timeout: Per-call limit in seconds.
         actor_options: Passed to ``.options()`` (``num_cpus``, ``resources``, ...).
+        sessions_per_worker: Sessions an actor hosts at once.
     """
 
     name = "ray"
@@ -869,13 +918,14 @@ class RayExecutor(_RemoteExecutor):
         max_instances: int | None = None,
         timeout: float | None = None,
         actor_options: dict[str, Any] | None = None,
+        sessions_per_worker: int = 1,
     ) -> None:
         """Start the actors."""
         try:
             import ray
         except ImportError as exc:
             raise DependencyMissingError.for_extra("RayExecutor", "ray", "ray") from exc
-        super().__init__(n_workers, max_instances, timeout)
+        super().__init__(n_workers, max_instances, timeout, sessions_per_worker)
         self._ray = ray
         if not ray.is_initialized():
             ray.init(num_cpus=max(1, os.cpu_count() or 1), include_dashboard=False)
@@ -885,6 +935,8 @@ class RayExecutor(_RemoteExecutor):
         self._pending: dict[Any, tuple[int, int]] = {}
         for w in range(n_workers):
             self._actors[w] = self._actor_cls.options(**self._actor_options).remote(max_instances)
+        # wait for the actors to be up, so per-call timeouts do not count their start-up
+        ray.get([a.call.remote("live", -1, ()) for a in self._actors])
 
     def _send(self, worker: int, call_id: int, call: _Call) -> None:
         ref = self._actors[worker].call.remote(call.op, call.session, call.args)

@@ -469,7 +469,7 @@ def _run_siblings(
         remaining[f.step] = k - 1
         for kk in range(2, k + 1):
             pending.append((f, kk))
-    capacity = max_concurrent or getattr(ex, "max_instances", None)
+    capacity = max_concurrent or ex.capacity
     rollout_ids = iter(range(1, 1 << 30))
     contexts: dict[int, Context] = {}
 
@@ -554,7 +554,7 @@ def group_rollouts(
     tree = RolloutTree(spec.id, seed, gamma=gamma)
     eng = _Engine(spec, ex, policy, rng, _max_steps(spec, max_steps), tree)
     todo = collections.deque(range(n))
-    capacity = max_concurrent or getattr(ex, "max_instances", None)
+    capacity = max_concurrent or ex.capacity
 
     def refill(room: int) -> list[_Line]:
         starts = [todo.popleft() for _ in range(min(room, len(todo)))]

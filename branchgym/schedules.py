@@ -263,10 +263,9 @@ def even_schedule(
     steps: list[int] = []
     for i in range(1, m + 1):
         t = min(t_max - 1, int(round(i * t_max / (m + 1))))
-        while t in steps and t + 1 < t_max:
-            t += 1
-        if t not in steps:
-            steps.append(t)
+        # on a collision (short backbones) take the nearest free step
+        free = [u for u in range(t_max) if u not in steps]
+        steps.append(min(free, key=lambda u: (abs(u - t), u)))
     return sorted(ForkPoint(t, 0, float(t)) for t in steps)
 
 
