@@ -4,7 +4,6 @@ import math
 
 import numpy as np
 import pytest
-
 from branchgym.agents.policy import (
     ActRequest,
     Context,

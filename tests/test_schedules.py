@@ -6,8 +6,8 @@ import math
 import gymnasium as gym
 import numpy as np
 import pytest
-
 from branchgym.agents.policy import TabularPolicy
+
 from branchgym.envs.toy.tree_mdp import TreeStructure
 from branchgym.error import ScheduleError
 from branchgym.rollout import grow_tree
@@ -68,7 +68,10 @@ def test_entropy_reductions_change_the_choice():
     # action 1: three medium tokens (mean .4, first .4, sum 1.2)
     # action 2: one token of .45
     t, bb = backbone([[0.0, 1.0], [0.4, 0.4, 0.4], [0.45]])
-    pick = lambda r: steps(SCHEDULES["entropy"](t, bb, 1, RNG(0), reduce=r, gap_unit="steps"))
+
+    def pick(r):
+        return steps(SCHEDULES["entropy"](t, bb, 1, RNG(0), reduce=r, gap_unit="steps"))
+
     assert pick("mean") == [0]
     assert pick("first") == [2]
     assert pick("sum") == [1]
@@ -114,7 +117,8 @@ def test_even_schedule():
 
 
 def _oracle_env():
-    leaf = lambda m: {"reward": m}
+    def leaf(m):
+        return {"reward": m}
 
     # Root: two actions with the same value (no advantage spread at step 0). Step 1: a
     # good and a bad action (large spread). Step 2: both actions equal again.

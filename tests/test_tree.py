@@ -99,10 +99,9 @@ def test_owning_path_gives_branch_steps_at_or_after_the_node(tree):
 
 
 def test_token_masks_count_each_shared_prefix_once(tree):
-    i = tree.ids
     counts = {n.id: np.zeros(n.n_tokens) for n in tree}
     for path, masks in tree.token_masks():
-        for nid, m in zip(path, masks):
+        for nid, m in zip(path, masks, strict=True):
             counts[nid] += m
     for n in tree:
         expect = np.ones(n.n_tokens)
