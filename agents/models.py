@@ -205,6 +205,10 @@ def smollm2(cache: str | os.PathLike[str] | None = None, *, dtype: Any = None) -
         # Dequantises the Q4_1 weights into a float model (once).
         model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name)
         tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+        # The weights are dequantised floats now; drop the GGUF marker so they save.
+        model.hf_quantizer = None
+        if hasattr(model.config, "quantization_config"):
+            del model.config.quantization_config
         tmp = folder.with_name(folder.name + ".partial")
         model.save_pretrained(tmp, safe_serialization=True)
         tok.save_pretrained(tmp)

@@ -217,7 +217,7 @@ def _check(model: str, out_path: str, n: int = 3, max_tokens: int = 12) -> None:
     """Sample from ``model`` with prefix caching and write tokens and log-probs as JSON."""
     import time
 
-    eng = VLLMEngine(model, max_new_tokens=max_tokens, seed=0)
+    eng = VLLMEngine(model, max_new_tokens=max_tokens, seed=0, enforce_eager=True)
     prompt = eng.encode(
         "<|im_start|>user\nYou stand at the entrance of a maze. Exits: go north, go east."
         "<|im_end|>\n<|im_start|>assistant\n"
