@@ -13,10 +13,11 @@ import pytest
 torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
-import branchgym  # noqa: E402
 from branchgym.agents.engines.hf import HFEngine  # noqa: E402
 from branchgym.agents.models import load_model, save_tiny_qwen2, tiny_qwen2  # noqa: E402
 from branchgym.agents.policy import ActRequest, Context, LLMPolicy, Turn  # noqa: E402
+
+import branchgym  # noqa: E402
 from branchgym.error import DataError, EngineError  # noqa: E402
 from branchgym.rollout import grow_tree  # noqa: E402
 from branchgym.schedules import topk_entropy  # noqa: E402
@@ -165,8 +166,9 @@ def test_llm_tree_records_the_behaviour_logprobs(engine):
             lp, ent = engine.score(pol.prompt_ids(ctx), [n.token_ids])[0]
             np.testing.assert_allclose(lp, n.logprobs, atol=1e-4)
             np.testing.assert_allclose(ent, n.entropies, atol=1e-4)
-            ctx = ctx.extend(Turn(n.text, tuple(n.token_ids.tolist()), n.action, n.observation,
-                                  n.info))
+            ctx = ctx.extend(
+                Turn(n.text, tuple(n.token_ids.tolist()), n.action, n.observation, n.info)
+            )
 
 
 @pytest.mark.slow
@@ -180,7 +182,11 @@ def test_vllm_engine_logprobs_match_a_forward_pass(tmp_path):
     env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "PYTHONPATH": str(ROOT)}
     proc = subprocess.run(
         [str(VLLM_PY), "-m", "branchgym.agents.engines.vllm", "check", str(folder), str(out)],
-        capture_output=True, text=True, timeout=540, cwd=tmp_path, env=env,
+        capture_output=True,
+        text=True,
+        timeout=540,
+        cwd=tmp_path,
+        env=env,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     report = json.loads(out.read_text())
@@ -196,8 +202,9 @@ def test_vllm_engine_logprobs_match_a_forward_pass(tmp_path):
             top20 = torch.topk(lp, 20, dim=-1).values.numpy()
             np.testing.assert_allclose(s["entropies_top20"], topk_entropy(top20), atol=1e-3)
     assert report["fork"][0]["token_ids"][:2] == report["samples"][0]["token_ids"][:2]
-    np.testing.assert_allclose(report["score_logprobs"], report["samples"][0]["logprobs"],
-                               atol=1e-4)
+    np.testing.assert_allclose(
+        report["score_logprobs"], report["samples"][0]["logprobs"], atol=1e-4
+    )
 
 
 @pytest.mark.slow
@@ -215,8 +222,9 @@ def test_smollm2_converts_from_the_wheel_gguf_once(tmp_path):
     assert (tmp_path / "smol" / "model.safetensors").exists()
     assert model.num_parameters() > 100_000_000 and tok.eos_token == "<|im_end|>"
     eng = HFEngine(model, tok, max_new_tokens=6)
-    p = tok.apply_chat_template([{"role": "user", "content": "Say hi."}],
-                                add_generation_prompt=True, return_dict=False)
+    p = tok.apply_chat_template(
+        [{"role": "user", "content": "Say hi."}], add_generation_prompt=True, return_dict=False
+    )
     (g,) = eng.generate([p], 1, seed=0)[0]
     lp = forward(model, p + g.token_ids.tolist(), len(p))
     ref = lp.gather(-1, torch.tensor(g.token_ids)[:, None])[:, 0].numpy()

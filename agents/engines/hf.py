@@ -86,6 +86,8 @@ class HFEngine:
         reuse_prefix: Prefill a shared prompt once for its n samples (default True).
         prefix_cache_entries: Prefilled contexts kept for later calls (0 disables).
         topk: k of the top-k entropy estimate (20).
+        threads: CPU threads for torch (``torch.set_num_threads``; process-wide). One
+            thread is fastest for tiny models on a shared CPU; None leaves torch's choice.
     """
 
     def __init__(
@@ -100,8 +102,11 @@ class HFEngine:
         reuse_prefix: bool = True,
         prefix_cache_entries: int = 16,
         topk: int = TOPK_ENTROPY,
+        threads: int | None = None,
     ) -> None:
         """Move the model to its device and dtype and set the stop tokens."""
+        if threads is not None:
+            torch.set_num_threads(int(threads))
         self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
         if dtype is None:
             dtype = torch.bfloat16 if self.device.type == "cuda" else torch.float32

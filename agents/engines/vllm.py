@@ -70,6 +70,7 @@ class VLLMEngine:
         full_logprobs: Ask vLLM for the whole distribution at each step (exact
             entropies); default: when the vocabulary has at most 4,096 tokens.
         enable_prefix_caching: vLLM's automatic prefix caching (on).
+        ignore_eos: Keep sampling past the stop token (benchmarks with fixed lengths).
         llm_kwargs: Passed to ``vllm.LLM`` (``dtype``, ``max_model_len``, ``seed``...).
     """
 
@@ -81,6 +82,7 @@ class VLLMEngine:
         topk: int = 20,
         full_logprobs: bool | None = None,
         enable_prefix_caching: bool = True,
+        ignore_eos: bool = False,
         **llm_kwargs: Any,
     ) -> None:
         """Start the vLLM engine on ``model``."""
@@ -100,6 +102,7 @@ class VLLMEngine:
         self.full_logprobs = vocab <= 4096 if full_logprobs is None else bool(full_logprobs)
         self.topk = int(topk)
         self.max_new_tokens = int(max_new_tokens)
+        self.ignore_eos = bool(ignore_eos)
         kwargs = {
             "dtype": "float32",
             "max_model_len": min(2048, int(cfg.get("max_position_embeddings", 2048))),
@@ -115,6 +118,7 @@ class VLLMEngine:
     def _params(self, n: int, max_tokens: int, seed: int | None, prompt_logprobs: bool) -> Any:
         k = -1 if self.full_logprobs else self.topk
         return self._vllm.SamplingParams(
+            ignore_eos=self.ignore_eos,
             n=n,
             temperature=1.0,
             top_p=1.0,
@@ -123,7 +127,7 @@ class VLLMEngine:
             logprobs=k,
             prompt_logprobs=k if prompt_logprobs else None,
             seed=seed,
-            stop_token_ids=self.stop_token_ids,
+            stop_token_ids=[] if self.ignore_eos else self.stop_token_ids,
             skip_special_tokens=True,
         )
 
@@ -257,31 +261,36 @@ def _check(model: str, out_path: str, n: int = 3, max_tokens: int = 12) -> None:
         json.dump(report, fh)
 
 
-def _bench(model: str, out_path: str, prefix_tokens: int, siblings: int, new_tokens: int) -> None:
-    """Time sibling generation at a long shared prefix, prefix caching on vs off."""
+def _bench(model: str, out_path: str, prefixes: list[int], siblings: int, new_tokens: int) -> None:
+    """Time sibling generation at long shared prefixes, prefix caching on vs off."""
     import time
 
-    results = {}
-    rng = np.random.default_rng(0)
+    results: dict[str, dict[str, float]] = {}
     for caching in (True, False):
+        rng = np.random.default_rng(0)
         eng = VLLMEngine(
             model,
             max_new_tokens=new_tokens,
             enable_prefix_caching=caching,
             full_logprobs=False,
             seed=0,
-            max_model_len=prefix_tokens + new_tokens + 64,
+            max_model_len=max(prefixes) + new_tokens + 64,
+            enforce_eager=True,  # no torch.compile warm-up: both settings run the same kernels
+            ignore_eos=True,
         )
         vocab = len(eng.tokenizer)
-        times = []
-        for rep in range(4):
-            # a fresh prefix each repeat; the backbone's request warms the cache first
-            prompt = rng.integers(10, vocab - 10, size=prefix_tokens).tolist()
-            eng.generate([prompt], 1, max_new_tokens=new_tokens, seed=rep)
-            t0 = time.perf_counter()
-            eng.generate([prompt], siblings, max_new_tokens=new_tokens, seed=100 + rep)
-            times.append(time.perf_counter() - t0)
-        results["on" if caching else "off"] = float(np.median(times[1:]))
+        for plen in prefixes:
+            times = []
+            for rep in range(4):
+                # a fresh prefix each repeat; the backbone's request comes first, as in a tree
+                prompt = rng.integers(10, vocab - 10, size=plen).tolist()
+                eng.generate([prompt], 1, max_new_tokens=new_tokens, seed=rep)
+                t0 = time.perf_counter()
+                eng.generate([prompt], siblings, max_new_tokens=new_tokens, seed=100 + rep)
+                times.append(time.perf_counter() - t0)
+            results.setdefault(str(plen), {})["on" if caching else "off"] = float(
+                np.median(times[1:])
+            )
         del eng
     with open(out_path, "w") as fh:
         json.dump(results, fh)
@@ -292,12 +301,13 @@ if __name__ == "__main__":  # vLLM starts worker processes: keep this guard
     if cmd == "check" and len(sys.argv) == 4:
         _check(sys.argv[2], sys.argv[3])
     elif cmd == "bench" and len(sys.argv) == 7:
-        _bench(sys.argv[2], sys.argv[3], int(sys.argv[4]), int(sys.argv[5]), int(sys.argv[6]))
+        plens = [int(x) for x in sys.argv[4].split(",")]
+        _bench(sys.argv[2], sys.argv[3], plens, int(sys.argv[5]), int(sys.argv[6]))
     else:
         print(
             "usage: python -m branchgym.agents.engines.vllm check MODEL_DIR OUT.json\n"
             "       python -m branchgym.agents.engines.vllm bench MODEL_DIR OUT.json "
-            "PREFIX_TOKENS SIBLINGS NEW_TOKENS",
+            "PREFIX_TOKENS[,PREFIX_TOKENS...] SIBLINGS NEW_TOKENS",
             file=sys.stderr,
         )
         sys.exit(2)

@@ -10,6 +10,11 @@ from __future__ import annotations
 #: study name -> (module, one-line description)
 STUDIES: dict[str, tuple[str, str]] = {
     "snapshot": ("branchgym.bench.snapshot", "snapshot/restore cost and bytes per env, vs replay"),
+    "engine": ("branchgym.bench.engine", "sibling generation with and without prefix KV reuse"),
+    "branching": (
+        "branchgym.bench.branching",
+        "branching overhead and tokens saved by shared prefixes, per env",
+    ),
 }
 
 __all__ = ["STUDIES"]
