@@ -54,5 +54,8 @@ def test_branching_study_runs(tmp_path, capsys):
     assert bpo["rollouts"] == group["rollouts"] == 7
     assert group["tokens_saved"] == 0.0 and bpo["independent_tokens"] > bpo["generated_tokens"]
     assert data["branchgym/TextTreeMDP-v0|bpo|replay"]["replay_steps"] > 0
+    snap = data["state_keeping|branchgym/TextTreeMDP-v0|snapshot"]
+    replay = data["state_keeping|branchgym/TextTreeMDP-v0|replay"]
+    assert replay["snapshots_taken"] < snap["snapshots_taken"] and replay["replay_steps"] > 0
     assert (tmp_path / "branching_overview.png").exists()
     assert "tokens saved" in capsys.readouterr().out

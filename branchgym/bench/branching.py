@@ -57,25 +57,27 @@ def configure(parser: argparse.ArgumentParser) -> None:
 
 
 def _grow(
-    env_id: str, kwargs: dict, policy: Any, setup: str, keep: str, seeds, teacher
+    env_id: str,
+    kwargs: dict,
+    policy: Any,
+    setup: str,
+    keep: str,
+    seeds: Any,
+    teacher: Any,
+    ex: Any,
 ) -> TreeStats:
+    """Sum the stats of one tree per seed; ``ex``'s pool is shared, so no env is rebuilt."""
     from branchgym.executors import EnvSpec
     from branchgym.rollout import group_rollouts, grow_tree
 
     spec = EnvSpec(env_id, kwargs)
     total = TreeStats()
     for s in seeds:
+        common = {"seed": int(s), "rng": int(s), "executor": ex}
         if setup == "bpo":
+            opts = {"min_gap": 16, "fill": True}
             tree = grow_tree(
-                spec,
-                policy,
-                "entropy",
-                m=2,
-                k=4,
-                seed=int(s),
-                rng=int(s),
-                keep=keep,
-                schedule_options={"min_gap": 16, "fill": True},
+                spec, policy, "entropy", m=2, k=4, keep=keep, schedule_options=opts, **common
             )
         elif setup == "branch_opd":
             tree = grow_tree(
@@ -84,16 +86,82 @@ def _grow(
                 "fork_score",
                 m=3,
                 k=3,
-                seed=int(s),
-                rng=int(s),
                 keep=keep,
                 teacher=teacher,
                 schedule_options={"min_entropy": 0.5},
+                **common,
             )
         else:
-            tree = group_rollouts(spec, policy, 7, seed=int(s), rng=int(s))
+            tree = group_rollouts(spec, policy, 7, **common)
         total += tree.stats
     return total
+
+
+def _state_keeping(report: Report, envs: dict[str, dict[str, Any]], n_trees: int, ex: Any) -> None:
+    """Snapshot every step vs replay to the chosen steps, with a fast random text policy."""
+    from branchgym.agents.policy import TextPolicy
+    from branchgym.executors import EnvSpec
+    from branchgym.rollout import grow_tree
+
+    rows = []
+    for env_id, kwargs in envs.items():
+        spec = EnvSpec(env_id, kwargs)
+        for keep in ("snapshot", "replay"):
+            st = TreeStats()
+            try:
+                for s in range(n_trees):
+                    st += grow_tree(
+                        spec,
+                        TextPolicy(),
+                        "entropy",
+                        m=2,
+                        k=4,
+                        seed=s,
+                        rng=s,
+                        keep=keep,
+                        executor=ex,
+                        schedule_options={"gap_unit": "steps"},
+                    ).stats
+            except ValueError as exc:  # no admissible actions to sample from
+                print(f"state keeping: {env_id} skipped ({exc})")
+                break
+            rows.append(
+                [
+                    env_id.split("/")[-1],
+                    keep,
+                    st.snapshots_taken / n_trees,
+                    st.replay_steps / n_trees,
+                    f"{1000 * st.snapshot_s / n_trees:.3f}",
+                    f"{1000 * st.restore_s / n_trees:.3f}",
+                    f"{1000 * st.wall_s / n_trees:.2f}",
+                    f"{st.peak_live_snapshots}",
+                    f"{st.peak_live_bytes}",
+                ]
+            )
+            report.data[f"state_keeping|{env_id}|{keep}"] = st.as_dict()
+    report.add(
+        f"## Keeping candidate states until the schedule picks\n\nRandom text policy "
+        f"(admissible actions), M = 2, K = 4, {n_trees} trees; per tree. *snapshot*: a "
+        "snapshot before every backbone decision, unchosen ones released after the pick. "
+        "*replay*: reset with the seed and replay the backbone once, snapshotting only "
+        "at the chosen steps (replay time counts as restore time)."
+    )
+    print(
+        report.table(
+            [
+                "env",
+                "keep",
+                "snapshots",
+                "replay steps",
+                "snapshot ms",
+                "restore ms",
+                "tree ms",
+                "peak live",
+                "peak bytes",
+            ],
+            rows,
+        )
+    )
 
 
 def main(args: argparse.Namespace) -> int:
@@ -102,8 +170,9 @@ def main(args: argparse.Namespace) -> int:
     from branchgym.agents.engines.hf import HFEngine
     from branchgym.agents.models import load_model, tiny_qwen2
     from branchgym.agents.policy import Context, LLMPolicy, Turn
+    from branchgym.executors import InProcessExecutor
 
-    n_trees = 2 if args.quick else args.trees
+    n_trees = min(args.trees, 2) if args.quick else args.trees
     seeds = np.arange(n_trees)
     model, tok = load_model(args.model)
     engine = HFEngine(model, tok, max_new_tokens=args.max_new_tokens, threads=args.threads)
@@ -122,6 +191,9 @@ def main(args: argparse.Namespace) -> int:
             )
 
     envs = {e: ENVS.get(e, {}) for e in args.envs} if args.envs else dict(ENVS)
+    ex = InProcessExecutor()  # one env pool for the whole study
+    for env_id, kwargs in envs.items():  # build the instances before anything is timed
+        _grow(env_id, kwargs, policy, "group", "-", [0], teacher, ex)
     rows, data = [], {}
     jobs = [
         (e, s, k)
@@ -134,7 +206,7 @@ def main(args: argparse.Namespace) -> int:
         ]
     ]
     for env_id, setup, keep in tqdm(jobs, desc="branching bench"):
-        st = _grow(env_id, envs[env_id], policy, setup, keep, seeds, teacher)
+        st = _grow(env_id, envs[env_id], policy, setup, keep, seeds, teacher, ex)
         rollout_s = st.generate_s + st.env_s
         key = f"{env_id}|{setup}|{keep}"
         data[key] = st.as_dict()
@@ -194,7 +266,9 @@ def main(args: argparse.Namespace) -> int:
             rows,
         )
     )
-    report.data = data
+    report.data.update(data)
+    _state_keeping(report, envs, 10 if args.quick else 50, ex)
+    ex.shutdown()
     import matplotlib.pyplot as plt
 
     fig, axes = plt.subplots(1, 2, figsize=(9, 3.2))
