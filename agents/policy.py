@@ -450,6 +450,28 @@ class LLMPolicy:
             ids.extend(enc(f"\n<|im_start|>user\n{msg}<|im_end|>\n<|im_start|>assistant\n"))
         return ids
 
+    def teacher_hook(self, teacher: Any) -> Callable[[Any, list[int]], None]:
+        """A ``grow_tree(teacher=...)`` hook: ``teacher`` scores every backbone token.
+
+        BranchOPD's fork score needs ``log pi_T`` of each token the student generated,
+        in the same context the student saw. ``teacher`` is an engine with ``score``
+        sharing this policy's tokenizer.
+        """
+
+        def hook(tree: Any, backbone: list[int]) -> None:
+            ctx = Context(tree.env_id, tree.observation, tree.info)
+            for nid in backbone:
+                n = tree[nid]
+                ((lp, _),) = teacher.score(self.prompt_ids(ctx), [n.token_ids])
+                n.teacher_logprobs = lp
+                ctx = ctx.extend(
+                    Turn(
+                        n.text, tuple(int(t) for t in n.token_ids), n.action, n.observation, n.info
+                    )
+                )
+
+        return hook
+
     def act(
         self, requests: Sequence[ActRequest], rng: np.random.Generator
     ) -> list[list[ActionSample]]:

@@ -231,3 +231,24 @@ def test_smollm2_converts_from_the_wheel_gguf_once(tmp_path):
     np.testing.assert_allclose(g.logprobs, ref, atol=1e-3)
     again, _ = smollm2(tmp_path / "smol")  # the cached folder, no conversion
     assert again.num_parameters() == model.num_parameters()
+
+
+def test_teacher_hook_scores_the_backbone_for_fork_score(engine):
+    env = gym.make("branchgym/TextTreeMDP-v0", max_episode_steps=4)
+    pol = LLMPolicy(engine, max_new_tokens=8)
+    # the student as its own teacher: teacher log-probs equal the behaviour log-probs
+    tree = grow_tree(
+        env,
+        pol,
+        "fork_score",
+        m=3,
+        k=3,
+        seed=1,
+        rng=1,
+        teacher=pol.teacher_hook(engine),
+        schedule_options={"min_entropy": 0.0},
+    )
+    for nid in tree.backbone:
+        np.testing.assert_allclose(tree[nid].teacher_logprobs, tree[nid].logprobs, atol=1e-4)
+    assert tree.meta["forks"] and tree.stats.rollouts == 1 + 2 * len(tree.meta["forks"])
+    assert branchgym.live_snapshots().count == 0

@@ -169,7 +169,7 @@ def main(args: argparse.Namespace) -> int:
     from branchgym import live_snapshots
     from branchgym.agents.engines.hf import HFEngine
     from branchgym.agents.models import load_model, tiny_qwen2
-    from branchgym.agents.policy import Context, LLMPolicy, Turn
+    from branchgym.agents.policy import LLMPolicy
     from branchgym.executors import InProcessExecutor
 
     n_trees = min(args.trees, 2) if args.quick else args.trees
@@ -180,15 +180,7 @@ def main(args: argparse.Namespace) -> int:
     t_model, t_tok = tiny_qwen2(seed=1)  # a different random model plays the teacher
     t_engine = HFEngine(t_model, t_tok, prefix_cache_entries=4)
 
-    def teacher(tree: Any, backbone: list[int]) -> None:
-        ctx = Context(tree.env_id, tree.observation, tree.info)
-        for nid in backbone:
-            n = tree[nid]
-            ((lp, _),) = t_engine.score(policy.prompt_ids(ctx), [n.token_ids])
-            n.teacher_logprobs = lp
-            ctx = ctx.extend(
-                Turn(n.text, tuple(n.token_ids.tolist()), n.action, n.observation, n.info)
-            )
+    teacher = policy.teacher_hook(t_engine)
 
     envs = {e: ENVS.get(e, {}) for e in args.envs} if args.envs else dict(ENVS)
     ex = InProcessExecutor()  # one env pool for the whole study
