@@ -436,6 +436,8 @@ class LLMPolicy:
         system, task = b.system_prompt(), b.task_message(context.observation, context.info)
         key = (type(b).__name__, system, task)
         if key not in self._head:
+            if len(self._head) >= 256:  # one entry per task; keep the memory bounded
+                self._head.clear()
             self._head[key] = enc(
                 f"<|im_start|>system\n{system}<|im_end|>\n"
                 f"<|im_start|>user\n{task}<|im_end|>\n<|im_start|>assistant\n"

@@ -24,6 +24,7 @@ from __future__ import annotations
 import collections
 import copy
 import dataclasses
+import os
 from collections.abc import Sequence
 from typing import Any
 
@@ -212,7 +213,8 @@ class HFEngine:
         prefixes = prefixes or [()] * len(prompts)
         reuse = self.reuse_prefix if reuse_prefix is None else reuse_prefix
         gen = torch.Generator(device=self.device)
-        gen.manual_seed(int(seed) if seed is not None else int(torch.seed() % (2**63)))
+        # without a seed, fresh OS entropy (torch.seed() would reseed torch's global RNG)
+        gen.manual_seed(int(seed) if seed is not None else int.from_bytes(os.urandom(7), "big"))
         limit = self.max_new_tokens if max_new_tokens is None else int(max_new_tokens)
         return [
             self._sample(list(p), list(f), k, limit, gen, reuse) if k > 0 else []
