@@ -202,6 +202,14 @@ def test_vllm_engine_logprobs_match_a_forward_pass(tmp_path):
             top20 = torch.topk(lp, 20, dim=-1).values.numpy()
             np.testing.assert_allclose(s["entropies_top20"], topk_entropy(top20), atol=1e-3)
     assert report["fork"][0]["token_ids"][:2] == report["samples"][0]["token_ids"][:2]
+    # a tree grown with VLLMEngine behind LLMPolicy records the behaviour log-probs
+    tree = report["tree"]
+    assert tree["rollouts"] == 3 and tree["branch_points"] == 1 and tree["live_snapshots"] == 0
+    for node in tree["backbone"]:
+        p2, toks = node["prompt_ids"], node["token_ids"]
+        lp = forward(model, p2 + toks, len(p2))
+        ref = lp.gather(-1, torch.tensor(toks)[:, None])[:, 0].numpy()
+        np.testing.assert_allclose(node["logprobs"], ref, atol=1e-3)
     np.testing.assert_allclose(
         report["score_logprobs"], report["samples"][0]["logprobs"], atol=1e-4
     )

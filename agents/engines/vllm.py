@@ -257,8 +257,42 @@ def _check(model: str, out_path: str, n: int = 3, max_tokens: int = 12) -> None:
         "seconds_cached": t2 - t1,
         "full_logprobs": eng.full_logprobs,
     }
+    report["tree"] = _tree_check(eng)
     with open(out_path, "w") as fh:
         json.dump(report, fh)
+
+
+def _tree_check(eng: VLLMEngine) -> dict[str, Any]:
+    """Grow a small tree with this engine behind LLMPolicy; record what a test rescores."""
+    import gymnasium as gym
+    from branchgym.agents.policy import Context, LLMPolicy, Turn
+
+    import branchgym
+    from branchgym.rollout import grow_tree
+
+    policy = LLMPolicy(eng, max_new_tokens=6)
+    env = gym.make("branchgym/TextTreeMDP-v0", max_episode_steps=3)
+    tree = grow_tree(env, policy, "entropy", m=1, k=3, seed=0, rng=0)
+    ctx = Context(tree.env_id, tree.observation, tree.info)
+    nodes = []
+    for nid in tree.backbone:
+        n = tree[nid]
+        nodes.append(
+            {
+                "prompt_ids": policy.prompt_ids(ctx),
+                "token_ids": n.token_ids.tolist(),
+                "logprobs": n.logprobs.tolist(),
+            }
+        )
+        ctx = ctx.extend(
+            Turn(n.text, tuple(int(t) for t in n.token_ids), n.action, n.observation, n.info)
+        )
+    return {
+        "rollouts": tree.stats.rollouts,
+        "branch_points": len(tree.branch_points()),
+        "live_snapshots": branchgym.live_snapshots().count,
+        "backbone": nodes,
+    }
 
 
 def _bench(model: str, out_path: str, prefixes: list[int], siblings: int, new_tokens: int) -> None:
