@@ -147,6 +147,22 @@ def test_a_hanging_sibling_times_out(make):
     assert tree.stats.rollouts == 7
 
 
+class Pinned(TextTreeMDP):
+    """A maze whose snapshots may not leave their process (like live containers)."""
+
+    default_env_id = "test/Pinned-v0"
+    snapshot_picklable = False
+
+
+def test_unpicklable_snapshots_stay_on_their_worker():
+    spec = EnvSpec("pinned", factory=lambda: branchgym.core.SnapshotAPI(Pinned()))
+    with ProcessExecutor(n_workers=2) as ex:
+        tree = grow(spec, ex)
+        assert tree.stats.rollouts == 7 and tree.stats.errors == 0
+        assert ex.live_snapshots().count == 0  # released inside the worker
+    assert summary(tree) == summary(grow(spec, InProcessExecutor(max_instances=2)))
+
+
 def test_executor_arguments():
     with pytest.raises(ExecutorError, match="no executor named"):
         make_executor("gpu-farm")
