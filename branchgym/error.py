@@ -30,6 +30,9 @@ __all__ = [
     "LossInputError",
     "SandboxError",
     "SandboxUnavailableError",
+    "ScheduleError",
+    "ExecutorError",
+    "EngineError",
 ]
 
 
@@ -135,3 +138,15 @@ class SandboxError(Error, RuntimeError):
 
 class SandboxUnavailableError(SandboxError):
     """A sandbox backend cannot run on this machine (no mounts, no Docker daemon, no image)."""
+
+
+class ScheduleError(Error, ValueError):
+    """A branch schedule is unknown, or lacks the inputs it needs (exact values, a teacher)."""
+
+
+class ExecutorError(Error, RuntimeError):
+    """A sibling executor cannot run (bad worker count, a pool that was shut down)."""
+
+
+class EngineError(Error, ValueError):
+    """A generation engine got a request it cannot serve (prompt too long, bad model folder)."""

@@ -51,7 +51,9 @@ def test_bench_erosion_quick(tmp_path, capsys):
 
 @pytest.mark.slow
 def test_bench_fidelity_quick(tmp_path, capsys):
-    args = ["bench", "fidelity", "--quick", "--no-suite", "--out", str(tmp_path)]
+    # The toy envs and WebShop: the study's logic, not a measurement of every sandbox.
+    envs = ["branchgym/TreeMDP-v0", "branchgym/TextTreeMDP-v0", "branchgym/WebShop-v0"]
+    args = ["bench", "fidelity", "--quick", "--no-suite", "--out", str(tmp_path), "--envs", *envs]
     assert main([*args, "--blocks", "2", "--episodes", "4"]) == 0
     out = capsys.readouterr().out
     assert "digest mode adds" in out and "target < 10 %" in out

@@ -135,3 +135,9 @@ def test_registered_ids_make():
         env = gym.make(env_id)
         env.reset(seed=0)
         env.close()
+
+
+def test_invalid_text_echo_stays_in_the_observation_space(text_env):
+    text_env.reset(seed=0)
+    obs, *_ = text_env.step("gö nörth ✓")  # LLM output outside the charset
+    assert "Invalid action" in obs and text_env.observation_space.contains(obs)

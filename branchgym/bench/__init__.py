@@ -20,6 +20,11 @@ STUDIES: dict[str, tuple[str, str]] = {
         "branchgym.bench.erosion",
         "bias of sibling advantages (eq. 4) under injected nondeterminism",
     ),
+    "engine": ("branchgym.bench.engine", "sibling generation with and without prefix KV reuse"),
+    "branching": (
+        "branchgym.bench.branching",
+        "branching overhead and tokens saved by shared prefixes, per env",
+    ),
 }
 
 __all__ = ["STUDIES"]

@@ -60,8 +60,10 @@ class TextTreeMDP(TreeMDP):
         key = " ".join(action.lower().split()) if isinstance(action, str) else None
         if key not in self._index:
             self.invalid = True
+            # echo the action with characters of the observation space only
+            shown = "".join(c if c in CHARSET else "?" for c in f"{action!r:.80}")
             self.text = (
-                f"Invalid action: {action!r:.80}. Nothing happens. You are in room {node}. "
+                f"Invalid action: {shown}. Nothing happens. You are in room {node}. "
                 + self._exits()
             )
             return self.text, 0.0, False, False, self._info()

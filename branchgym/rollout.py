@@ -1,0 +1,594 @@
+"""The branching engine: grow rollout trees (BPO, BranchOPD) and independent groups (GRPO/RLOO).
+
+:func:`grow_tree` implements spec/ALGORITHMS.md section 1 steps 1-4 (and section 2 steps
+1-4 with the ``fork_score`` schedule):
+
+1. sample a backbone to termination, recording the policy's per-token log-probs and
+   entropies at every decision;
+2. let a schedule pick the branch points;
+3. restore each chosen state and run K-1 siblings to termination (the backbone's own
+   action is sibling ``k = 1``), releasing each snapshot as soon as its last sibling
+   has restored from it.
+
+:func:`group_rollouts` makes N independent rollouts from the reset state through the
+same code path, so trees and groups are compared at matched compute.
+
+How states at candidate points are kept until the schedule picks (``keep=``):
+
+* ``"snapshot"`` (default): snapshot before every backbone decision, release the
+  unchosen ones once the schedule has picked. Costs one snapshot per step and holds
+  up to T snapshots for the length of the backbone.
+* ``"replay"``: take no snapshots on the backbone; after the schedule picks, reset
+  with the same seed and replay the backbone's actions once, snapshotting only at the
+  chosen steps (the env must be deterministic given seed and actions, which the
+  replay checks against the backbone's observations).
+
+``branchgym bench branching`` measures both; see the README's Engine section.
+
+The policy stays in this process: siblings advance in lockstep, so each policy call
+is one batch, and the K-1 siblings of a branch point ask for their first action in one
+request (an LLM engine samples them from one shared prefix). Environment calls go to an
+:class:`~branchgym.executors.Executor`.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import gymnasium as gym
+import numpy as np
+from tqdm import tqdm
+
+from branchgym.agents.policy import ActionSample, ActRequest, Context, Policy, Turn
+from branchgym.compare import first_difference
+from branchgym.executors import EnvSpec, Executor, InProcessExecutor, SnapshotRef, make_executor
+from branchgym.schedules import ForkPoint, get_schedule
+from branchgym.tree import ROOT, RolloutTree
+
+__all__ = ["grow_tree", "grow_trees", "group_rollouts", "spec_of", "KEEP_MODES"]
+
+#: How states at candidate branch points are kept until the schedule picks.
+KEEP_MODES = ("snapshot", "replay")
+
+#: Step cap for envs without a time limit (a policy that only emits invalid text).
+DEFAULT_MAX_STEPS = 100
+
+Teacher = Callable[[RolloutTree, list[int]], None]
+
+
+def spec_of(env: gym.Env) -> EnvSpec:
+    """The :class:`EnvSpec` a ``gym.make`` env was built from."""
+    spec = env.spec
+    if spec is None:
+        raise ValueError(
+            "this env was not made with gym.make, so siblings cannot build instances like "
+            "it; pass an EnvSpec(id, kwargs, factory=...) instead of the instance."
+        )
+    kwargs = dict(spec.kwargs)
+    if spec.max_episode_steps is not None:
+        kwargs.setdefault("max_episode_steps", spec.max_episode_steps)
+    return EnvSpec(spec.id, kwargs)
+
+
+def _resolve(
+    env: gym.Env | EnvSpec | str, executor: Executor | str | None, **executor_kwargs: Any
+) -> tuple[EnvSpec, Executor, bool]:
+    """(spec, executor, whether we own the executor)."""
+    if isinstance(env, str):
+        env = EnvSpec(env)
+    if isinstance(env, EnvSpec):
+        if executor is None:
+            return env, InProcessExecutor(), True
+        owned = not isinstance(executor, Executor)
+        return env, make_executor(executor, **executor_kwargs), owned
+    spec = spec_of(env)
+    if executor is None:
+        # The instance itself is the pool: every sibling restores into it (fast path).
+        ex = InProcessExecutor(max_instances=1)
+        ex.worker.adopt(spec, env)
+        return spec, ex, True
+    owned = not isinstance(executor, Executor)
+    ex = make_executor(executor, **executor_kwargs)
+    if isinstance(ex, InProcessExecutor):
+        ex.worker.adopt(spec, env)
+    return spec, ex, owned
+
+
+def _max_steps(spec: EnvSpec, max_steps: int | None) -> int:
+    if max_steps is not None:
+        return int(max_steps)
+    limit = spec.kwargs.get("max_episode_steps")
+    if limit is None and spec.factory is None:
+        try:
+            limit = gym.spec(spec.id).max_episode_steps
+        except Exception:
+            limit = None
+    return int(limit) if limit else DEFAULT_MAX_STEPS
+
+
+@dataclasses.dataclass
+class _Line:
+    """One rollout being played: a session, its context and where it hangs in the tree."""
+
+    session: int
+    context: Context
+    parent: int
+    rollout: int
+    sibling: int = 0
+    prefix: tuple[int, ...] = ()
+    group: Any = None  # lines with the same group ask for their first action together
+    snapshot_each: bool = False
+    snaps: dict[int, SnapshotRef] = dataclasses.field(default_factory=dict)
+
+
+class _Engine:
+    """The state of one :func:`grow_tree` or :func:`group_rollouts` call."""
+
+    def __init__(
+        self,
+        spec: EnvSpec,
+        ex: Executor,
+        policy: Policy,
+        rng: np.random.Generator,
+        max_steps: int,
+        tree: RolloutTree,
+    ) -> None:
+        self.spec, self.ex, self.policy, self.rng = spec, ex, policy, rng
+        self.max_steps = max_steps
+        self.tree = tree
+        self.live: dict[int, SnapshotRef] = {}
+
+    # -- snapshot bookkeeping -----------------------------------------------------
+    def track(self, ref: SnapshotRef) -> None:
+        self.live[id(ref)] = ref
+        s = self.tree.stats
+        s.snapshots_taken += 1
+        count = len(self.live)
+        nbytes = sum(r.nbytes for r in self.live.values())
+        if count > s.peak_live_snapshots:
+            s.peak_live_snapshots, s.peak_live_bytes = count, nbytes
+
+    def release(self, ref: SnapshotRef) -> None:
+        if self.live.pop(id(ref), None) is not None:
+            self.ex.release(ref)
+
+    def release_all(self) -> None:
+        for ref in list(self.live.values()):
+            self.release(ref)
+
+    def snapshot_lines(self, lines: Sequence[_Line]) -> None:
+        outs = self.ex.snapshot([ln.session for ln in lines])
+        for ln, o in zip(lines, outs, strict=True):
+            self.tree.stats.snapshot_s += o.seconds
+            if o.error is None and o.snapshot is not None:
+                self.track(o.snapshot)
+                ln.snaps[ln.context.step] = o.snapshot
+            else:
+                self.tree.meta.setdefault("snapshot_errors", []).append(o.error)
+
+    # -- the lockstep loop ----------------------------------------------------------
+    def advance(
+        self,
+        lines: list[_Line],
+        refill: Callable[[int], list[_Line]] | None = None,
+        capacity: int | None = None,
+        bar: tqdm | None = None,
+    ) -> list[_Line]:
+        """Play lines to termination; ``refill(n)`` starts up to n more as lines end."""
+        finished: list[_Line] = []
+        active = list(lines)
+        while True:
+            if refill is not None:
+                room = (capacity or 1 << 30) - len(active)
+                if room > 0:
+                    active.extend(refill(room))
+            if not active:
+                break
+            snap_now = [ln for ln in active if ln.snapshot_each]
+            if snap_now:
+                self.snapshot_lines(snap_now)
+            samples, cost = self._act(active)
+            outs = self.ex.step([ln.session for ln in active], [s.action for s in samples])
+            still = []
+            for ln, smp, out in zip(active, samples, outs, strict=True):
+                node = self.tree.add(
+                    ln.parent,
+                    action=smp.action,
+                    text=smp.text,
+                    token_ids=smp.token_ids,
+                    logprobs=smp.logprobs,
+                    entropies=smp.entropies,
+                    entropies_top20=smp.entropies_top20,
+                    prefix_len=smp.prefix_len,
+                    observation=out.observation,
+                    reward=out.reward,
+                    terminated=out.terminated,
+                    truncated=out.truncated or out.error is not None,
+                    info=dict(out.info) if isinstance(out.info, dict) else {},
+                    sibling=ln.sibling,
+                    rollout=ln.rollout,
+                    costs={"generate": cost, "env_step": out.seconds},
+                    error=out.error,
+                    parse_error=smp.parse_error,
+                )
+                self.tree.stats.env_s += out.seconds
+                self.tree.stats.env_steps += 1
+                if out.error is not None:
+                    self.tree.stats.errors += 1
+                ln.parent, ln.sibling, ln.prefix, ln.group = node.id, 0, (), None
+                ln.context = ln.context.extend(
+                    Turn(
+                        smp.text,
+                        tuple(int(t) for t in smp.token_ids),
+                        smp.action,
+                        out.observation,
+                        node.info,
+                    )
+                )
+                if not node.done and ln.context.step >= self.max_steps:
+                    node.truncated = True
+                if node.done:
+                    if out.error is None:
+                        self.ex.close([ln.session])
+                    finished.append(ln)
+                    if bar is not None:
+                        bar.update(1)
+                else:
+                    still.append(ln)
+            active = still
+        return finished
+
+    def _act(self, lines: Sequence[_Line]) -> tuple[list[ActionSample], float]:
+        """One batched policy call; lines of one group share a request (shared prefix)."""
+        requests: list[ActRequest] = []
+        owners: list[list[int]] = []
+        by_group: dict[Any, int] = {}
+        for i, ln in enumerate(lines):
+            if ln.group is not None and ln.group in by_group:
+                j = by_group[ln.group]
+                requests[j] = dataclasses.replace(requests[j], n=requests[j].n + 1)
+                owners[j].append(i)
+                continue
+            if ln.group is not None:
+                by_group[ln.group] = len(requests)
+            requests.append(ActRequest(ln.context, 1, ln.prefix))
+            owners.append([i])
+        t0 = time.perf_counter()
+        batches = self.policy.act(requests, self.rng)
+        secs = time.perf_counter() - t0
+        self.tree.stats.generate_s += secs
+        out: list[ActionSample | None] = [None] * len(lines)
+        for req, own, batch in zip(requests, owners, batches, strict=True):
+            if len(batch) != req.n:
+                raise ValueError(f"policy returned {len(batch)} samples for n={req.n}")
+            for i, smp in zip(own, batch, strict=True):
+                out[i] = smp
+        # each sample's share of the batched call
+        return out, secs / len(lines)  # type: ignore[return-value]
+
+
+def _context_at(tree: RolloutTree, backbone: Sequence[int], step: int) -> Context:
+    ctx = Context(tree.env_id, tree.observation, tree.info)
+    for nid in backbone[:step]:
+        n = tree[nid]
+        ctx = ctx.extend(
+            Turn(n.text, tuple(int(t) for t in n.token_ids), n.action, n.observation, n.info)
+        )
+    return ctx
+
+
+def _replay_to(
+    eng: _Engine,
+    tree: RolloutTree,
+    backbone: Sequence[int],
+    steps: Sequence[int],
+    seed: Any,
+    options: Any,
+) -> dict[int, SnapshotRef]:
+    """Reset with the tree's seed and replay the backbone once, snapshotting at ``steps``."""
+    ex = eng.ex
+    t0 = time.perf_counter()
+    snap_s = 0.0
+    (out,) = ex.reset([eng.spec], [seed], options=options)
+    refs: dict[int, SnapshotRef] = {}
+    if out.error is not None:
+        tree.meta.setdefault("replay_errors", []).append(out.error)
+        return refs
+    session = out.session
+    want = sorted(set(steps))
+    obs = out.observation
+    for t in range(max(want) + 1):
+        expected = tree.observation if t == 0 else tree[backbone[t - 1]].observation
+        diff = first_difference(obs, expected)
+        if diff is not None:
+            tree.meta.setdefault("replay_errors", []).append(
+                f"replay diverged from the backbone at step {t} ({diff}); the env is not "
+                "deterministic given seed and actions: use keep='snapshot'"
+            )
+            break
+        if t in want:
+            (so,) = ex.snapshot([session])
+            tree.stats.snapshot_s += so.seconds
+            snap_s += so.seconds
+            if so.snapshot is not None:
+                eng.track(so.snapshot)
+                refs[t] = so.snapshot
+        if t == max(want):
+            break
+        (st,) = ex.step([session], [tree[backbone[t]].action])
+        tree.stats.replay_steps += 1
+        tree.stats.env_steps += 1
+        if st.error is not None:
+            tree.meta.setdefault("replay_errors", []).append(st.error)
+            session = None
+            break
+        obs = st.observation
+    if session is not None:
+        ex.close([session])
+    # replaying is how this mode restores: its time counts as restore time
+    tree.stats.restore_s += time.perf_counter() - t0 - snap_s
+    return refs
+
+
+def grow_tree(
+    env: gym.Env | EnvSpec | str,
+    policy: Policy,
+    schedule: str | Callable[..., list[ForkPoint]] = "entropy",
+    *,
+    m: int = 2,
+    k: int = 4,
+    seed: int | None = None,
+    options: dict[str, Any] | None = None,
+    executor: Executor | str | None = None,
+    executor_options: dict[str, Any] | None = None,
+    keep: str = "snapshot",
+    max_steps: int | None = None,
+    schedule_options: dict[str, Any] | None = None,
+    rng: np.random.Generator | int | None = None,
+    env_noise: str = "fresh",
+    teacher: Teacher | None = None,
+    max_concurrent: int | None = None,
+    gamma: float = 1.0,
+) -> RolloutTree:
+    """Grow one rollout tree: a backbone, then K-1 siblings at M branch points.
+
+    Args:
+        env: An env instance (siblings restore into it one after another: the fast
+            path), an :class:`EnvSpec`, or a registered id.
+        policy: Samples actions (see :mod:`branchgym.agents.policy`).
+        schedule: A name in :data:`branchgym.schedules.SCHEDULES` or a function.
+        m: Branch points M (B for BranchOPD).
+        k: Siblings per branch point K, the backbone's own action included. Rollouts:
+            N = 1 + M(K-1).
+        seed: Reset seed (the task instance).
+        options: Reset options.
+        executor: Where sandboxes run: an :class:`Executor` or a name (``inprocess``,
+            ``thread``, ``process``, ``ray``); a named one is shut down at the end.
+        executor_options: Keyword arguments of a named executor.
+        keep: How candidate states are kept until the schedule picks: ``snapshot``
+            (every step, unchosen ones released) or ``replay`` (replay to the chosen).
+        max_steps: Truncate rollouts after this many decisions (default: the spec's
+            time limit, else 100).
+        schedule_options: Keyword arguments of the schedule (``reduce``, ``min_gap``...).
+        rng: Seed or generator of the policy's sampling and the schedule's choices.
+        env_noise: ``fresh``: each sibling's env gets a new RNG stream after restore, so
+            its transitions are independent draws; ``shared``: keep the snapshot's
+            stream (common random numbers).
+        teacher: ``teacher(tree, backbone)`` fills ``teacher_logprobs`` before the
+            schedule runs (BranchOPD's fork score needs it).
+        max_concurrent: Sibling sessions alive at once (default: all, or the
+            executor's ``max_instances``).
+        gamma: Discount of the tree's returns-to-go.
+
+    Returns:
+        The tree, its :class:`~branchgym.tree.TreeStats` filled in. Every snapshot it
+        took is released, even when a sibling failed.
+    """
+    if k < 1 or m < 0:
+        raise ValueError(f"need K >= 1 and M >= 0, got K={k}, M={m}")
+    if keep not in KEEP_MODES:
+        raise ValueError(f"keep must be one of {KEEP_MODES}, got {keep!r}")
+    if env_noise not in ("fresh", "shared"):
+        raise ValueError(f"env_noise must be 'fresh' or 'shared', got {env_noise!r}")
+    sched = get_schedule(schedule)
+    rng = rng if isinstance(rng, np.random.Generator) else np.random.default_rng(rng)
+    spec, ex, owned = _resolve(env, executor, **(executor_options or {}))
+    wall0 = time.perf_counter()
+    tree = RolloutTree(spec.id, seed, gamma=gamma)
+    eng = _Engine(spec, ex, policy, rng, _max_steps(spec, max_steps), tree)
+    try:
+        (out,) = ex.reset([spec], [seed], options=options)
+        if out.error is not None:
+            raise RuntimeError(f"reset of {spec.id} failed: {out.error}")
+        tree.observation, tree.info = out.observation, dict(out.info)
+        tree.stats.env_s += out.seconds
+        ctx = Context(spec.id, out.observation, tree.info)
+        branching = m > 0 and k > 1
+        backbone_line = _Line(
+            out.session, ctx, ROOT, 0, snapshot_each=branching and keep == "snapshot"
+        )
+        eng.advance([backbone_line])
+        backbone = tree.backbone
+        if not branching or not backbone:
+            return tree
+        if teacher is not None:
+            teacher(tree, backbone)
+        forks = [
+            f
+            for f in sched(tree, backbone, m, rng, **(schedule_options or {}))
+            if 0 <= f.step < len(backbone)
+        ]
+        tree.meta["forks"] = [dataclasses.asdict(f) for f in forks]
+        chosen = {f.step for f in forks}
+        if keep == "snapshot":
+            refs = backbone_line.snaps
+            for step, ref in list(refs.items()):
+                if step not in chosen:
+                    eng.release(ref)
+                    refs.pop(step)
+        else:
+            refs = _replay_to(eng, tree, backbone, sorted(chosen), seed, options) if chosen else {}
+        _run_siblings(eng, tree, backbone, forks, refs, k, env_noise, max_concurrent)
+        return tree
+    finally:
+        eng.release_all()
+        tree.stats.rollouts = len(tree.leaves())
+        tree.stats.generated_tokens = tree.generated_tokens()
+        tree.stats.independent_tokens = tree.independent_tokens()
+        tree.stats.wall_s = time.perf_counter() - wall0
+        if owned:
+            ex.shutdown()
+
+
+def _run_siblings(
+    eng: _Engine,
+    tree: RolloutTree,
+    backbone: list[int],
+    forks: Sequence[ForkPoint],
+    refs: dict[int, SnapshotRef],
+    k: int,
+    env_noise: str,
+    max_concurrent: int | None,
+) -> None:
+    """Restore each fork's snapshot into K-1 sessions and play them out."""
+    ex = eng.ex
+    pending: collections.deque[tuple[ForkPoint, int]] = collections.deque()
+    remaining: dict[int, int] = {}
+    for f in forks:
+        node = tree[backbone[f.step]]
+        node.sibling = 1
+        if f.token_offset:
+            tree.set_fork_offset(node.parent, min(f.token_offset, node.n_tokens))
+        if f.step not in refs:
+            tree.meta.setdefault("skipped_forks", []).append(f.step)
+            continue
+        remaining[f.step] = k - 1
+        for kk in range(2, k + 1):
+            pending.append((f, kk))
+    capacity = max_concurrent or ex.capacity
+    rollout_ids = iter(range(1, 1 << 30))
+    contexts: dict[int, Context] = {}
+
+    def refill(room: int) -> list[_Line]:
+        starts = []
+        while pending and len(starts) < room:
+            starts.append(pending.popleft())
+        if not starts:
+            return []
+        reseeds = [int(eng.rng.integers(2**63)) if env_noise == "fresh" else None for _ in starts]
+        outs = ex.restore(
+            [eng.spec] * len(starts), [refs[f.step] for f, _ in starts], reseeds=reseeds
+        )
+        lines = []
+        for (f, kk), out in zip(starts, outs, strict=True):
+            tree.stats.restore_s += out.seconds
+            remaining[f.step] -= 1
+            if remaining[f.step] == 0:  # the last sibling has restored: free the state
+                eng.release(refs[f.step])
+            parent = tree[backbone[f.step]].parent
+            rid = next(rollout_ids)
+            if out.error is not None:
+                node = tree.add(parent, sibling=kk, rollout=rid, truncated=True, error=out.error)
+                tree.stats.errors += 1
+                del node
+                continue
+            if f.step not in contexts:
+                contexts[f.step] = _context_at(tree, backbone, f.step)
+            prefix_src = tree[backbone[f.step]].token_ids
+            prefix = tuple(int(t) for t in prefix_src[: f.token_offset])
+            lines.append(
+                _Line(out.session, contexts[f.step], parent, rid, kk, prefix, group=f.step)
+            )
+        return lines
+
+    eng.advance([], refill=refill, capacity=capacity)
+
+
+def grow_trees(
+    env: gym.Env | EnvSpec | str,
+    policy: Policy,
+    seeds: Sequence[int],
+    schedule: str | Callable[..., list[ForkPoint]] = "entropy",
+    *,
+    progress: bool = True,
+    **kwargs: Any,
+) -> list[RolloutTree]:
+    """:func:`grow_tree` for each seed (a batch of prompts), with a progress bar."""
+    return [
+        grow_tree(env, policy, schedule, seed=s, **kwargs)
+        for s in tqdm(seeds, desc="trees", disable=not progress, leave=False)
+    ]
+
+
+def group_rollouts(
+    env: gym.Env | EnvSpec | str,
+    policy: Policy,
+    n: int,
+    *,
+    seed: int | None = None,
+    options: dict[str, Any] | None = None,
+    executor: Executor | str | None = None,
+    executor_options: dict[str, Any] | None = None,
+    max_steps: int | None = None,
+    rng: np.random.Generator | int | None = None,
+    env_noise: str = "fresh",
+    max_concurrent: int | None = None,
+    gamma: float = 1.0,
+) -> RolloutTree:
+    """N independent rollouts from the reset state (GRPO/RLOO's topology), as one tree.
+
+    The tree's root is a branch point with N siblings; no snapshot is taken (every
+    rollout resets with ``seed``). Arguments are those of :func:`grow_tree`.
+    """
+    if n < 1:
+        raise ValueError(f"need n >= 1 rollouts, got {n}")
+    if env_noise not in ("fresh", "shared"):
+        raise ValueError(f"env_noise must be 'fresh' or 'shared', got {env_noise!r}")
+    rng = rng if isinstance(rng, np.random.Generator) else np.random.default_rng(rng)
+    spec, ex, owned = _resolve(env, executor, **(executor_options or {}))
+    wall0 = time.perf_counter()
+    tree = RolloutTree(spec.id, seed, gamma=gamma)
+    eng = _Engine(spec, ex, policy, rng, _max_steps(spec, max_steps), tree)
+    todo = collections.deque(range(n))
+    capacity = max_concurrent or ex.capacity
+
+    def refill(room: int) -> list[_Line]:
+        starts = [todo.popleft() for _ in range(min(room, len(todo)))]
+        if not starts:
+            return []
+        reseeds = [
+            None if (i == 0 or env_noise == "shared") else int(rng.integers(2**63)) for i in starts
+        ]
+        outs = ex.reset(
+            [spec] * len(starts), [seed] * len(starts), options=options, reseeds=reseeds
+        )
+        lines = []
+        for i, out in zip(starts, outs, strict=True):
+            tree.stats.env_s += out.seconds
+            if out.error is not None:
+                tree.add(
+                    ROOT, rollout=i, sibling=i + 1 if n > 1 else 0, truncated=True, error=out.error
+                )
+                tree.stats.errors += 1
+                continue
+            if tree.observation is None:
+                tree.observation, tree.info = out.observation, dict(out.info)
+            ctx = Context(spec.id, out.observation, dict(out.info))
+            lines.append(_Line(out.session, ctx, ROOT, i, i + 1 if n > 1 else 0, group="root"))
+        return lines
+
+    try:
+        eng.advance([], refill=refill, capacity=capacity)
+        return tree
+    finally:
+        eng.release_all()
+        tree.stats.rollouts = len(tree.leaves())
+        tree.stats.generated_tokens = tree.generated_tokens()
+        tree.stats.independent_tokens = tree.independent_tokens()
+        tree.stats.wall_s = time.perf_counter() - wall0
+        if owned:
+            ex.shutdown()

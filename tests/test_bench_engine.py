@@ -1,0 +1,61 @@
+"""The engine and branching studies run end to end and write their reports (figures are
+measured by the studies themselves, never asserted here)."""
+
+import json
+
+import pytest
+
+pytest.importorskip("torch")
+
+from branchgym.bench import STUDIES  # noqa: E402
+from branchgym.cli import main  # noqa: E402
+
+
+def test_studies_are_registered():
+    assert {"engine", "branching"} <= set(STUDIES)
+
+
+def test_engine_study_runs(tmp_path, capsys):
+    rc = main(
+        [
+            "bench",
+            "engine",
+            "--model",
+            "tiny",
+            "--prefix",
+            "64",
+            "--new-tokens",
+            "4",
+            "--repeats",
+            "1",
+            "--vllm",
+            "off",
+            "--out",
+            str(tmp_path),
+        ]
+    )
+    assert rc == 0
+    data = json.loads((tmp_path / "engine.json").read_text())
+    row = data["hf"]["by_prefix"]["64"]
+    assert {"recompute", "reuse", "cached", "speedup_reuse"} <= set(row)
+    assert (tmp_path / "engine_prefix.png").exists()
+    assert "reuse speed-up" in capsys.readouterr().out
+
+
+@pytest.mark.slow
+def test_branching_study_runs(tmp_path, capsys):
+    rc = main(
+        ["bench", "branching", "--trees", "1", "--max-new-tokens", "4", "--out", str(tmp_path)]
+    )
+    assert rc == 0
+    data = json.loads((tmp_path / "branching.json").read_text())
+    bpo = data["branchgym/TextTreeMDP-v0|bpo|snapshot"]
+    group = data["branchgym/TextTreeMDP-v0|group|-"]
+    assert bpo["rollouts"] == group["rollouts"] == 7
+    assert group["tokens_saved"] == 0.0 and bpo["independent_tokens"] > bpo["generated_tokens"]
+    assert data["branchgym/TextTreeMDP-v0|bpo|replay"]["replay_steps"] > 0
+    snap = data["state_keeping|branchgym/TextTreeMDP-v0|snapshot"]
+    replay = data["state_keeping|branchgym/TextTreeMDP-v0|replay"]
+    assert replay["snapshots_taken"] < snap["snapshots_taken"] and replay["replay_steps"] > 0
+    assert (tmp_path / "branching_overview.png").exists()
+    assert "tokens saved" in capsys.readouterr().out

