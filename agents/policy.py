@@ -442,15 +442,38 @@ class LLMPolicy:
                 f"<|im_start|>system\n{system}<|im_end|>\n"
                 f"<|im_start|>user\n{task}<|im_end|>\n<|im_start|>assistant\n"
             )
-        ids = list(self._head[key])
+        head = self._head[key]
         stops = set(self.engine.stop_token_ids)
+        segments = []
         for turn in context.turns:
-            ids.extend(turn.token_ids)
+            seg = list(turn.token_ids)
             if not turn.token_ids or turn.token_ids[-1] not in stops:
-                ids.extend(enc("<|im_end|>"))  # a reply cut at max_new_tokens
+                seg.extend(enc("<|im_end|>"))  # a reply cut at max_new_tokens
             msg = b.observation_message(turn.observation, turn.info)
-            ids.extend(enc(f"\n<|im_start|>user\n{msg}<|im_end|>\n<|im_start|>assistant\n"))
+            seg.extend(enc(f"\n<|im_start|>user\n{msg}<|im_end|>\n<|im_start|>assistant\n"))
+            segments.append(seg)
+        budget = self.max_prompt_tokens()
+        rest = sum(map(len, segments))
+        dropped, note = 0, []
+        # Long episodes outgrow the model's context: keep the task and the latest turns,
+        # and say how many were left out (the same context always gives the same prompt,
+        # so a learner recomputing log-probs sees exactly what the sampler saw).
+        while len(head) + len(note) + rest > budget and dropped < len(segments):
+            rest -= len(segments[dropped])
+            dropped += 1
+            note = enc(
+                f"[{dropped} earlier turn(s) omitted to fit the context]<|im_end|>\n"
+                "<|im_start|>user\nContinue.<|im_end|>\n<|im_start|>assistant\n"
+            )
+        ids = list(head) + note
+        for seg in segments[dropped:]:
+            ids.extend(seg)
         return ids
+
+    def max_prompt_tokens(self) -> int:
+        """Prompt tokens that leave room for ``max_new_tokens`` in the engine's context."""
+        limit = int(getattr(self.engine, "max_positions", 1 << 30))
+        return max(1, limit - self.max_new_tokens)
 
     def teacher_hook(self, teacher: Any) -> Callable[[Any, list[int]], None]:
         """A ``grow_tree(teacher=...)`` hook: ``teacher`` scores every backbone token.

@@ -148,6 +148,22 @@ def test_llm_policy_splices_sampled_tokens_into_the_next_prompt(engine):
     assert s.parse_error is not None or s.action == "go north"
 
 
+def test_llm_policy_drops_old_turns_to_fit_the_context(engine, monkeypatch):
+    pol = LLMPolicy(engine, max_new_tokens=6)
+    ctx = Context("branchgym/TextTreeMDP-v0", "room 0", {"admissible_actions": ["go north"]})
+    for i in range(30):
+        reply = tuple(engine.encode("Action: go north"))
+        ctx = ctx.extend(Turn("Action: go north", reply, "go north", f"room {i + 1}", {}))
+    full = pol.prompt_ids(ctx)
+    monkeypatch.setattr(engine, "max_positions", len(full) // 2)
+    short = pol.prompt_ids(ctx)
+    assert len(short) <= pol.max_prompt_tokens() < len(full)
+    text = engine.decode(short)
+    assert "earlier turn(s) omitted" in text and "room 30" in text and "room 1<" not in text
+    assert short == pol.prompt_ids(ctx), "the same context must give the same prompt"
+    assert short[-20:] == full[-20:], "the latest turns are kept verbatim"
+
+
 def test_llm_tree_records_the_behaviour_logprobs(engine):
     env = gym.make("branchgym/TextTreeMDP-v0", max_episode_steps=4)
     pol = LLMPolicy(engine, max_new_tokens=8)

@@ -32,6 +32,9 @@ __all__ = ["configure", "main", "ENVS", "SOURCE_OVERHEAD", "SOURCE_TOKENS_SAVED"
 #: ``"branchgym/WebShop-v0": {"max_episode_steps": 15},``
 ENVS: dict[str, dict[str, Any]] = {
     "branchgym/TextTreeMDP-v0": {"depth": 6, "max_episode_steps": 10},
+    "branchgym/WebShop-v0": {"max_episode_steps": 15},
+    "branchgym/ALFWorld-v0": {"max_episode_steps": 20},
+    "branchgym/SWEBench-v0": {"max_episode_steps": 10},
 }
 
 #: Branching overhead the BPO source reports (its Table 4).
@@ -183,6 +186,13 @@ def main(args: argparse.Namespace) -> int:
     teacher = policy.teacher_hook(t_engine)
 
     envs = {e: ENVS.get(e, {}) for e in args.envs} if args.envs else dict(ENVS)
+    from branchgym.registration import branch_spec
+
+    for env_id in list(envs):  # adapters whose extra is not installed are left out, loudly
+        missing = branch_spec(env_id).missing() if env_id.startswith("branchgym/") else []
+        if missing:
+            print(f"branching bench: {env_id} skipped (needs extra {', '.join(missing)})")
+            del envs[env_id]
     ex = InProcessExecutor()  # one env pool for the whole study
     for env_id, kwargs in envs.items():  # build the instances before anything is timed
         _grow(env_id, kwargs, policy, "group", "-", [0], teacher, ex)
