@@ -324,6 +324,15 @@ def cmd_scenarios(args: argparse.Namespace) -> int:
     return 1 if bad else 0
 
 
+def _lazy(module: str, name: str) -> Callable[..., Any]:
+    """A function that imports ``module`` only when the command runs (keeps start-up fast)."""
+
+    def call(*args: Any) -> Any:
+        return getattr(importlib.import_module(module), name)(*args)
+
+    return call
+
+
 #: command name -> (configure, run, help). Later features add theirs here.
 COMMANDS: dict[
     str,
@@ -339,6 +348,11 @@ COMMANDS: dict[
         alfworld_cli.configure,
         alfworld_cli.run,
         "ALFWorld problems: generate, rebuild the shipped sets, run the planner expert",
+    ),
+    "diagnose": (
+        _lazy("branchgym.bench.variance", "configure_diagnose"),
+        _lazy("branchgym.bench.variance", "cmd_diagnose"),
+        "will branching pay on my task? the source's variance diagnostic, one answer",
     ),
     "scenarios": (
         configure_scenarios,

@@ -288,12 +288,13 @@ def _replay_to(
     steps: Sequence[int],
     seed: Any,
     options: Any,
+    env_seed: int | None = None,
 ) -> dict[int, SnapshotRef]:
     """Reset with the tree's seed and replay the backbone once, snapshotting at ``steps``."""
     ex = eng.ex
     t0 = time.perf_counter()
     snap_s = 0.0
-    (out,) = ex.reset([eng.spec], [seed], options=options)
+    (out,) = ex.reset([eng.spec], [seed], options=options, reseeds=[env_seed])
     refs: dict[int, SnapshotRef] = {}
     if out.error is not None:
         tree.meta.setdefault("replay_errors", []).append(out.error)
@@ -353,6 +354,7 @@ def grow_tree(
     teacher: Teacher | None = None,
     max_concurrent: int | None = None,
     gamma: float = 1.0,
+    env_seed: int | None = None,
 ) -> RolloutTree:
     """Grow one rollout tree: a backbone, then K-1 siblings at M branch points.
 
@@ -383,6 +385,9 @@ def grow_tree(
         max_concurrent: Sibling sessions alive at once (default: all, or the
             executor's ``max_instances``).
         gamma: Discount of the tree's returns-to-go.
+        env_seed: Reseed the env's RNG right after the reset (``branchgym.reseed``), so
+            several trees of one task (same ``seed``) draw independent environment
+            randomness; ``None`` keeps the reset seed's stream.
 
     Returns:
         The tree, its :class:`~branchgym.tree.TreeStats` filled in. Every snapshot it
@@ -401,7 +406,7 @@ def grow_tree(
     tree = RolloutTree(spec.id, seed, gamma=gamma)
     eng = _Engine(spec, ex, policy, rng, _max_steps(spec, max_steps), tree)
     try:
-        (out,) = ex.reset([spec], [seed], options=options)
+        (out,) = ex.reset([spec], [seed], options=options, reseeds=[env_seed])
         if out.error is not None:
             raise RuntimeError(f"reset of {spec.id} failed: {out.error}")
         tree.observation, tree.info = out.observation, dict(out.info)
@@ -431,7 +436,11 @@ def grow_tree(
                     eng.release(ref)
                     refs.pop(step)
         else:
-            refs = _replay_to(eng, tree, backbone, sorted(chosen), seed, options) if chosen else {}
+            refs = (
+                _replay_to(eng, tree, backbone, sorted(chosen), seed, options, env_seed)
+                if chosen
+                else {}
+            )
         _run_siblings(eng, tree, backbone, forks, refs, k, env_noise, max_concurrent)
         return tree
     finally:

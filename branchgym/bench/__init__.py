@@ -20,6 +20,10 @@ STUDIES: dict[str, tuple[str, str]] = {
         "branchgym.bench.erosion",
         "bias of sibling advantages (eq. 4) under injected nondeterminism",
     ),
+    "variance": (
+        "branchgym.bench.variance",
+        "the source's diagnostic: independent vs within-snapshot return variance, per env",
+    ),
     "engine": ("branchgym.bench.engine", "sibling generation with and without prefix KV reuse"),
     "branching": (
         "branchgym.bench.branching",
