@@ -70,9 +70,23 @@ def _walk_to_depth(env: gym.Env, seed: int, depth: int) -> tuple[list[Any], floa
     return actions, time.perf_counter() - t0
 
 
-def measure_env(env: gym.Env, *, seed: int, depth: int, repeats: int) -> dict[str, Any]:
-    """Snapshot/restore timings and bytes at ``depth``, and replay to the same state."""
+def measure_env(
+    env: gym.Env, *, seed: int, depth: int, repeats: int, other: gym.Env | None = None
+) -> dict[str, Any]:
+    """Snapshot/restore timings and bytes at ``depth``, and replay to the same state.
+
+    ``other``, a second instance of the same spec, measures a *fork*: restoring the
+    snapshot into another instance (what a sibling on another sandbox does).
+    """
     actions, _ = _walk_to_depth(env, seed, depth)
+    fork_t = []
+    if other is not None:
+        other.reset(seed=seed + 1)
+        with snapshot(env) as snap:
+            for _ in range(max(3, repeats // 3) + 1):
+                t0 = time.perf_counter()
+                restore(other, snap)
+                fork_t.append(time.perf_counter() - t0)
     snap_t, rest_t, nbytes = [], [], []
     for _ in range(repeats + 1):
         t0 = time.perf_counter()
@@ -105,6 +119,7 @@ def measure_env(env: gym.Env, *, seed: int, depth: int, repeats: int) -> dict[st
         "picklable": picklable,
         "snapshot": Timing.of(snap_t[1:]),
         "restore": Timing.of(rest_t[1:]),
+        "fork": Timing.of(fork_t[1:]),
         "replay": Timing.of(replay_t),
         "step": Timing.of(step_t),
         "bytes": int(np.median(nbytes)),
@@ -121,18 +136,21 @@ def section_registered(report: Report, args: argparse.Namespace) -> None:
         missing = spec.missing()
         if missing:
             rows.append(
-                [spec.id, "-", "-", "-", "-", "-", "-", f"needs extra {', '.join(missing)}"]
+                [spec.id, "-", "-", "-", "-", "-", "-", "-", f"needs extra {', '.join(missing)}"]
             )
             continue
         try:
-            env = gym.make(spec.id)
+            env, other = gym.make(spec.id), gym.make(spec.id)
         except Exception as exc:  # report, never hide, an env that cannot be built
-            rows.append([spec.id, "-", "-", "-", "-", "-", "-", f"make failed: {exc}"[:80]])
+            rows.append([spec.id, "-", "-", "-", "-", "-", "-", "-", f"make failed: {exc}"[:80]])
             continue
         try:
-            m = measure_env(env, seed=args.seed, depth=args.depth, repeats=args.repeats)
+            m = measure_env(
+                env, seed=args.seed, depth=args.depth, repeats=args.repeats, other=other
+            )
         finally:
             env.close()
+            other.close()
         data[spec.id] = {k: (v.__dict__ if isinstance(v, Timing) else v) for k, v in m.items()}
         src = SOURCE_MS.get(spec.id)
         rows.append(
@@ -141,6 +159,7 @@ def section_registered(report: Report, args: argparse.Namespace) -> None:
                 m["kind"],
                 f"{m['snapshot'].median_ms:.3f} / {m['snapshot'].p90_ms:.3f}",
                 f"{m['restore'].median_ms:.3f} / {m['restore'].p90_ms:.3f}",
+                f"{m['fork'].median_ms:.3f} / {m['fork'].p90_ms:.3f}",
                 m["bytes"],
                 f"{m['replay'].median_ms:.3f} (depth {m['depth']})",
                 f"{m['step'].median_ms:.3f}",
@@ -151,11 +170,23 @@ def section_registered(report: Report, args: argparse.Namespace) -> None:
         f"## Registered envs\n\nSnapshot taken after {args.depth} seeded random steps; "
         f"{args.repeats} timed snapshot+restore pairs each (median / p90, ms). *Replay* is "
         "the cost of reaching the same state from reset by replaying the prefix, the "
-        "alternative to a snapshot. *Source* is the snapshot cost the BPO source reports."
+        "alternative to a snapshot. *Fork* restores the snapshot into a second instance of "
+        "the same spec (a sibling on another sandbox). *Source* is the snapshot cost the "
+        "BPO source reports."
     )
     print(
         report.table(
-            ["env", "kind", "snapshot ms", "restore ms", "bytes", "replay ms", "step ms", "source"],
+            [
+                "env",
+                "kind",
+                "snapshot ms",
+                "restore ms",
+                "fork ms",
+                "bytes",
+                "replay ms",
+                "step ms",
+                "source",
+            ],
             rows,
         )
     )
@@ -166,10 +197,12 @@ def section_registered(report: Report, args: argparse.Namespace) -> None:
         fig, ax = plt.subplots(figsize=(7, 0.5 + 0.45 * len(data)))
         names = list(data)
         snap = [data[n]["snapshot"]["median_ms"] + data[n]["restore"]["median_ms"] for n in names]
+        fork = [data[n]["fork"]["median_ms"] for n in names]
         rep = [data[n]["replay"]["median_ms"] for n in names]
         y = np.arange(len(names))
-        ax.barh(y - 0.2, snap, height=0.4, label="snapshot + restore")
-        ax.barh(y + 0.2, rep, height=0.4, label="replay to same state")
+        ax.barh(y - 0.27, snap, height=0.27, label="snapshot + restore")
+        ax.barh(y, fork, height=0.27, label="fork (restore elsewhere)")
+        ax.barh(y + 0.27, rep, height=0.27, label="replay to same state")
         for i, n in enumerate(names):
             if n in SOURCE_MS:
                 ax.plot(SOURCE_MS[n], i, "k|", markersize=14)
