@@ -349,6 +349,11 @@ COMMANDS: dict[
         alfworld_cli.run,
         "ALFWorld problems: generate, rebuild the shipped sets, run the planner expert",
     ),
+    "demo": (
+        _lazy("branchgym.bench.demo", "configure"),
+        _lazy("branchgym.bench.demo", "main"),
+        "the main job: compact snapshot, branching, variance and learning studies + summary",
+    ),
     "diagnose": (
         _lazy("branchgym.bench.variance", "configure_diagnose"),
         _lazy("branchgym.bench.variance", "cmd_diagnose"),
