@@ -23,7 +23,7 @@ import sys
 import typing
 from typing import Any
 
-from branchgym.error import TrainingConfigError
+from branchgym.error import CheckpointError, TrainingConfigError
 
 __all__ = ["LEARNERS", "Learner", "configure", "learner", "make_args", "run", "train"]
 
@@ -111,6 +111,11 @@ def train(algo: str, **options: Any) -> Any:
 
     if options.get("resume"):
         state = load_checkpoint_state(options["resume"])
+        if state.get("algo") != algo:
+            raise CheckpointError(
+                f"{options['resume']} is a {state.get('algo')!r} checkpoint; resume it with "
+                f"--algo {state.get('algo')} (or start {algo} from its weights with --model)."
+            )
         saved = {k: v for k, v in state["args"].items() if k != "resume"}
         options = {**saved, **options}
     args = make_args(algo, **options)

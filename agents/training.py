@@ -35,6 +35,7 @@ import textwrap
 import time
 import types
 import typing
+import warnings
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
@@ -148,6 +149,8 @@ class TrainArgs:
     """Save a checkpoint every this many steps (0: only at the end)."""
     resume: str | None = None
     """A checkpoint folder to resume from, exactly (weights, optimizer, scheduler, step)."""
+    overwrite: bool = False
+    """Start a new run in an ``out_dir`` that already holds one (its metrics are replaced)."""
     device: str = "auto"
     """``auto`` (CUDA when present), ``cpu`` or ``cuda``."""
     precision: str = "auto"
@@ -928,13 +931,24 @@ class RunningStats:
 
 @dataclasses.dataclass(frozen=True)
 class EvalResult:
-    """Success and return over the fixed evaluation set (standard errors across episodes)."""
+    """Success and return over the fixed evaluation set (standard errors across episodes).
+
+    Attributes:
+        episodes: Episodes run.
+        success: Share that succeeded.
+        success_se: Its standard error.
+        ret: Mean return.
+        ret_se: Its standard error.
+        invalid_frac: Share of decisions whose reply was not a valid action.
+        exact: The exact expected return, where computable (TextTreeMDP + scoring).
+    """
 
     episodes: int
     success: float
     success_se: float
     ret: float
     ret_se: float
+    invalid_frac: float = 0.0
     exact: float | None = None
 
     def metrics(self, prefix: str = "eval/") -> dict[str, float]:
@@ -944,6 +958,7 @@ class EvalResult:
             f"{prefix}success_se": self.success_se,
             f"{prefix}return": self.ret,
             f"{prefix}return_se": self.ret_se,
+            f"{prefix}invalid_frac": self.invalid_frac,
         }
         if self.exact is not None:
             out[f"{prefix}exact_value"] = self.exact
@@ -968,7 +983,7 @@ def evaluate(
     TextTreeMDP with the scoring policy the exact expected return is added
     (:func:`branchgym.agents.evaluation.exact_value`).
     """
-    succ, rets = [], []
+    succ, rets, invalid = [], [], []
     for i in range(episodes):
         tree = group_rollouts(
             spec,
@@ -982,6 +997,7 @@ def evaluate(
         path = tree.paths()[0] if tree.paths() else []
         rets.append(float(tree.path_returns_to_go(path)[0]) if path else 0.0)
         succ.append(float(success_of(tree, path, success_threshold)))
+        invalid.extend(tree[n].parse_error is not None for n in path)
     value = None
     if exact:
         from branchgym.agents.evaluation import exact_value, supports_exact
@@ -999,6 +1015,7 @@ def evaluate(
         se(succ),
         float(np.mean(rets)) if rets else 0.0,
         se(rets),
+        float(np.mean(invalid)) if invalid else 0.0,
         value,
     )
 
@@ -1181,6 +1198,14 @@ class Run:
         env_name = args.env_id.split("/")[-1]
         self.out_dir = Path(args.out_dir or f"runs/{algo}-{env_name}-{args.seed}")
         self.out_dir.mkdir(parents=True, exist_ok=True)
+        metrics_file = self.out_dir / "metrics.jsonl"
+        if resume is None and metrics_file.is_file() and metrics_file.stat().st_size:
+            if not args.overwrite:
+                raise TrainingConfigError(
+                    f"{self.out_dir} already holds a run (metrics.jsonl); choose another "
+                    "out_dir, resume it (resume=<checkpoint>) or set overwrite=true."
+                )
+            metrics_file.unlink()
         if resume is not None:
             self._load(Path(args.resume), resume)
         (self.out_dir / "args.json").write_text(
@@ -1394,7 +1419,11 @@ class Run:
                 self._pending = {}
                 self._t0 = time.perf_counter()
                 yield self.step
-                self.scheduler.step()
+                with warnings.catch_warnings():
+                    # a step whose batch had nothing to learn skips optimizer.step(); the
+                    # schedule still counts it, which torch would warn about
+                    warnings.filterwarnings("ignore", message=".*lr_scheduler.step.*")
+                    self.scheduler.step()
                 self.step += 1
                 line = {"step": self.step, "charts/lr": self.optimizer.param_groups[0]["lr"]}
                 line.update(self._pending)
