@@ -669,3 +669,12 @@ def test_sft_collects_alfworld_planner_episodes(tmp_path):
     lps, _ = run.logprobs(run.model, batch.rows)
     assert all(float(lp.detach().sum()) <= 0 for per in lps for lp in per)
     run.close()
+
+
+def test_bpo_with_m_0_trains_on_independent_backbones(tmp_path):
+    result = train(
+        "bpo", out_dir=str(tmp_path), m=0, fallback_n=3, steps=1, **{**TINY, "prompts_per_step": 1}
+    )
+    (line,) = [h for h in result.history if "charts/success" in h]
+    assert line["charts/rollouts"] == 3 and line["branching/snapshots"] == 0
+    assert line["branching/branch_points"] == 1  # the reset state: 3 independent children
