@@ -301,6 +301,23 @@ def loss(args: Args, c: Chunk, batch: Batch | None = None) -> tuple[torch.Tensor
     return total, metrics
 
 
+def _distillation_metrics(batch: Batch, delta: float) -> dict[str, float]:
+    """Advantage statistics over counted tokens, the teacher-student gap, forks, tokens."""
+    adv, groups, gap = [], [], []
+    for d in batch.decisions():
+        on = d.mask > 0
+        diff = (d.teacher_logp - d.old_logp)[on]
+        adv.extend(np.clip(diff, -delta, delta))
+        groups.extend([d.tree] * int(on.sum()))
+        gap.extend(diff)
+    return {
+        **advantage_metrics(adv, groups),
+        "opd/teacher_minus_student": float(np.mean(gap)) if gap else 0.0,
+        "opd/forks": float(sum(len(t.meta.get("forks", [])) for t in batch.trees)),
+        "tokens/student": float(sum(t.stats.generated_tokens for t in batch.trees)),
+    }
+
+
 def main(args: Args, algo: str = "branch_opd") -> TrainResult:
     """Train the student by (Branching) on-policy distillation from ``args.teacher``."""
     run = Run(args, algo)
@@ -322,28 +339,5 @@ def main(args: Args, algo: str = "branch_opd") -> TrainResult:
         update = functools.partial(loss, args, batch=batch)
         run.log(run.updates(batch, update, logit_positions=positions))
         run.log(rollout_metrics(batch))
-        counted = [d for d in batch.decisions()]
-        adv = [
-            a
-            for d in counted
-            for a, m in zip(
-                np.clip(d.teacher_logp - d.old_logp, -args.delta, args.delta), d.mask, strict=True
-            )
-            if m > 0
-        ]
-        groups = [d.tree for d in counted for m in d.mask if m > 0]
-        run.log(advantage_metrics(adv, groups))
-        gap = [
-            t - o
-            for d in counted
-            for t, o, m in zip(d.teacher_logp, d.old_logp, d.mask, strict=True)
-            if m > 0
-        ]
-        run.log(
-            {
-                "opd/teacher_minus_student": float(np.mean(gap)) if gap else 0.0,
-                "opd/forks": float(sum(len(t.meta.get("forks", [])) for t in trees)),
-                "tokens/student": float(sum(t.stats.generated_tokens for t in trees)),
-            }
-        )
+        run.log(_distillation_metrics(batch, args.delta))
     return run.close()

@@ -678,3 +678,40 @@ def test_bpo_with_m_0_trains_on_independent_backbones(tmp_path):
     (line,) = [h for h in result.history if "charts/success" in h]
     assert line["charts/rollouts"] == 3 and line["branching/snapshots"] == 0
     assert line["branching/branch_points"] == 1  # the reset state: 3 independent children
+
+
+def test_pbr_logits_reach_the_loss_at_the_constraint_positions(tmp_path):
+    run = Run(
+        branch_opd.Args(
+            **TINY,
+            teacher="tiny",
+            policy="generate",
+            max_new_tokens=6,
+            max_episode_steps=2,
+            out_dir=str(tmp_path),
+        ),
+        "branch_opd",
+    )
+    tree = group_rollouts(run.spec, run.policy, 2, seed=0, rng=0, executor=run.executor)
+    batch = Batch([tree])
+    for d in batch.decisions():
+        d.teacher_logp = d.old_logp
+    seq, spans = POLICIES["generate"].sequence(run.policy, batch.rows[1])
+    where = spans[0][0] + 1
+    batch.rows[0].cache["pbr"] = []
+    batch.rows[1].cache["pbr"] = [losses.ProtocolConstraint(where, (3,), 1.0)]
+    seen = {}
+    run.optimizer.step = lambda: None  # compare with the same weights below
+
+    def loss_fn(c):
+        seen["logits"] = c.logits
+        return branch_opd.loss(run.args, c, batch=batch)
+
+    metrics = run.update(
+        batch, [0, 1], loss_fn, logit_positions=lambda row: [c.position for c in row.cache["pbr"]]
+    )
+    assert metrics["losses/pbr_constraints"] == 1 and metrics["losses/pbr"] > 0
+    with torch.no_grad():
+        direct = run.model(torch.tensor([seq[: where + 1]])).logits[0, -1]
+    torch.testing.assert_close(seen["logits"][0].detach(), direct, atol=1e-4, rtol=1e-4)
+    run.close()
