@@ -102,6 +102,11 @@ def test_rl_learner_improves_success(algo, extra, start, tmp_path):
     assert len(steps) == CI["steps"]
     for key in ("losses/policy_loss", "grad/norm", "grad/norm_var", "advantages/max_abs"):
         assert all(key in h for h in steps), key
+    if algo == "bpo":  # M = 2 branch points of K = 4 siblings per prompt: N = 7 rollouts
+        assert all(h["charts/rollouts"] == 7 * CI["prompts_per_step"] for h in steps)
+        assert all(h["branching/snapshots"] > 0 for h in steps)
+    if algo == "bellman_po":  # after the first of several updates, pi has left mu
+        assert any(abs(h["losses/omega_mean"] - 1.0) > 1e-4 for h in steps)
 
 
 @pytest.mark.slow
