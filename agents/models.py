@@ -229,12 +229,24 @@ def load_model(name: str | os.PathLike[str], *, dtype: Any = None) -> tuple[Any,
             f"{folder} is not a model folder (no config.json); give 'tiny', 'smollm2' or the "
             "path of a folder saved with save_pretrained."
         )
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    import json
+
+    from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerFast
 
     kwargs = {"dtype": dtype} if dtype is not None else {}
     model = AutoModelForCausalLM.from_pretrained(folder, **kwargs)
     model.eval()
-    tok = AutoTokenizer.from_pretrained(folder)
+    tok_config = folder / "tokenizer_config.json"
+    tok_class = (
+        json.loads(tok_config.read_text()).get("tokenizer_class") if tok_config.is_file() else None
+    )
+    if tok_class in ("TokenizersBackend", "PreTrainedTokenizerFast"):
+        # A tokenizer saved from a tokenizers object (the tiny model's): AutoTokenizer would
+        # rebuild it as the model type's class (Qwen2Tokenizer), whose own pre-tokenizer
+        # splits digits differently; load tokenizer.json exactly as it was saved.
+        tok = PreTrainedTokenizerFast.from_pretrained(folder)
+    else:
+        tok = AutoTokenizer.from_pretrained(folder)
     if tok.chat_template is None:
         tok.chat_template = CHAT_TEMPLATE
     return model, tok

@@ -5,6 +5,7 @@ branchgym check ENV_ID|module:attr     snapshot checks + fidelity suite; exit 1 
 branchgym play ENV_ID                  play by hand, fork with :snap / :restore N
 branchgym bench STUDY [...]            benchmarks (branchgym bench --help)
 branchgym scenarios                    injected faults x fidelity checks: detection matrix
+branchgym train --algo ALGO [...]      train a reference learner (branchgym train --help)
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from collections.abc import Callable, Sequence
 from typing import Any, TextIO
 
 import branchgym
+from branchgym.agents import train as train_cli
 from branchgym.envs.alfworld import cli as alfworld_cli
 from branchgym.error import Error
 
@@ -363,6 +365,12 @@ COMMANDS: dict[
         configure_scenarios,
         cmd_scenarios,
         "injected fidelity faults x checks: detection matrix (exit 1 on a miss)",
+    ),
+    "train": (
+        train_cli.configure,
+        train_cli.run,
+        "train a reference learner (bpo, grpo, rloo, bellman_po, branch_opd, opd, opd_multi, "
+        "sft); metrics as JSONL, safetensors checkpoints",
     ),
 }
 

@@ -33,6 +33,8 @@ __all__ = [
     "ScheduleError",
     "ExecutorError",
     "EngineError",
+    "TrainingConfigError",
+    "CheckpointError",
 ]
 
 
@@ -150,3 +152,11 @@ class ExecutorError(Error, RuntimeError):
 
 class EngineError(Error, ValueError):
     """A generation engine got a request it cannot serve (prompt too long, bad model folder)."""
+
+
+class TrainingConfigError(Error, ValueError):
+    """A learner's options are invalid (unknown algorithm or variant, a value out of range)."""
+
+
+class CheckpointError(Error, ValueError):
+    """A training checkpoint is missing, damaged, or from another algorithm or model."""

@@ -29,6 +29,10 @@ STUDIES: dict[str, tuple[str, str]] = {
         "branchgym.bench.branching",
         "branching overhead and tokens saved by shared prefixes, per env",
     ),
+    "learners": (
+        "branchgym.bench.learners",
+        "the reference learners at matched compute on TextTreeMDP: exact success by step",
+    ),
 }
 
 __all__ = ["STUDIES"]

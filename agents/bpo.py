@@ -1,0 +1,278 @@
+"""Branching Policy Optimization (spec/ALGORITHMS.md §1).
+
+Per prompt, one gradient step:
+
+1. sample a backbone from ``pi_theta`` to termination, recording the policy's
+   distribution at every decision (a decision is one complete action);
+2. score each decision by its entropy ``H_t`` (eq. 3) and pick the top-M as branch
+   points, at least ``Delta_min`` apart (the ``entropy`` schedule; others for ablations);
+3. at each branch point restore the snapshot and sample K-1 new actions, each rolled
+   out to termination; the backbone's own action is sibling ``k = 1``, so a prompt costs
+   ``N = 1 + M(K-1)`` rollouts;
+4. local sibling advantage, eq. (4): each sibling's return-to-go minus the mean of the
+   other K-1 (:func:`~branchgym.agents.losses.sibling_advantages`);
+5. propagate along each node's owning path, eq. (5): ``A(t') = sum_{b >= t'}
+   lambda^(b - t') A_local(b, k_b)``, with steps after the last branch point getting its
+   advantage (``tail="last"``) or zero (``tail="zero"``)
+   (:func:`~branchgym.agents.losses.propagate_advantages`);
+6. PPO-clip over every (s, a) pair of the tree, each shared-prefix pair counted once (its
+   owning path's row), plus ``beta * KL(pi_theta || pi_ref)``, eq. (6).
+
+With ``M = 0`` or ``K = 1`` there are no siblings: the learner falls back to the RLOO
+group baseline over independent backbones, the source's K = 1 ablation row.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from collections.abc import Sequence
+
+import numpy as np
+import torch
+from branchgym.agents import losses
+from branchgym.agents.training import (
+    WEIGHTS,
+    Batch,
+    Chunk,
+    Run,
+    TrainArgs,
+    TrainResult,
+    _choice,
+    _require,
+    advantage_metrics,
+    rollout_metrics,
+)
+
+from branchgym.rollout import KEEP_MODES, group_rollouts, grow_tree
+from branchgym.tree import ENTROPY_REDUCTIONS, RolloutTree
+
+__all__ = ["SCHEDULE_OPTIONS", "Args", "loss", "main", "tree_advantages"]
+
+#: Branch schedules of step 3 and which of the Args options each takes.
+SCHEDULE_OPTIONS: dict[str, tuple[str, ...]] = {
+    "entropy": ("reduce", "min_gap", "gap_unit", "fill"),
+    "lowest_entropy": ("reduce", "min_gap", "gap_unit", "fill"),
+    "random": ("min_gap", "gap_unit", "fill"),
+    "even": (),
+    "oracle": (),
+}
+
+
+@dataclasses.dataclass
+class Args(TrainArgs):
+    """Branching PO options; defaults are the source's (spec §1), CI runs override them."""
+
+    m: int = 2
+    """Branch points M per backbone (spec §1 step 3; the source uses 2)."""
+    k: int = 4
+    """Siblings K per branch point, the backbone's own action included (step 4; 4, where
+    the source finds K saturates). Rollouts per prompt N = 1 + M(K - 1) = 7."""
+    schedule: str = "entropy"
+    """Branch schedule (step 3): ``entropy`` (top-M by H_t), or the ablations
+    ``lowest_entropy``, ``random``, ``even``, ``oracle`` (TreeMDP only)."""
+    entropy_reduce: str = "mean"
+    """H_t of an action from its per-token entropies (eq. 3 on token spans): ``mean``
+    (spec default), ``first`` or ``sum``."""
+    min_gap: int | None = None
+    """Delta_min between branch points; default 64 tokens of the trajectory (1 step for
+    envs whose actions are single tokens)."""
+    gap_unit: str = "auto"
+    """Unit of ``min_gap``: ``tokens``, ``steps`` or ``auto``."""
+    fill: bool = False
+    """Top up to M branch points when the gap rule leaves fewer (keeps N fixed)."""
+    lam: float = 0.95
+    """lambda of eq. (5) (0.95; the source's plateau is 0.9-0.99, 1.0 hurts slightly)."""
+    tail: str = "last"
+    """Steps after the last branch point of a path (eq. 5's ambiguity): ``last`` gives them
+    that branch point's local advantage undiscounted (spec default), ``zero`` gives 0."""
+    eps: float = 0.2
+    """PPO clip range epsilon (eq. 6; 0.2)."""
+    eps_high: float | None = None
+    """Upper clip range (clip-higher); default ``eps``."""
+    beta: float = 0.05
+    """KL coefficient to the reference policy (eq. 6; 0.05); 0 drops pi_ref."""
+    kl_estimator: str = "k3"
+    """Schulman's ``k1``, ``k2`` or ``k3`` estimator of KL(pi_theta || pi_ref)."""
+    aggregation: str = "token-mean"
+    """Loss aggregation; eq. (6) sums over the tree's (s, a) pairs, so every counted token
+    weighs the same (``token-mean``)."""
+    keep: str = "snapshot"
+    """How candidate branch states are kept until the schedule picks: ``snapshot`` every
+    step, or ``replay`` to the chosen ones (deterministic envs only)."""
+    env_noise: str = "fresh"
+    """``fresh``: each sibling draws its own env randomness after restore (independent
+    siblings, Theorem 2); ``shared``: common random numbers."""
+    fallback_n: int = 7
+    """Independent backbones per prompt when branching is off (M = 0 or K = 1): the RLOO
+    group baseline of the source's K = 1 ablation (7 = N of M = 2, K = 4)."""
+
+    @property
+    def branching(self) -> bool:
+        """Whether trees branch (M > 0 and K > 1)."""
+        return self.m > 0 and self.k > 1
+
+    def check(self) -> None:
+        """Ranges of the Branching PO options."""
+        super().check()
+        _require(self.m >= 0, f"m (branch points) must be >= 0; got {self.m}.")
+        _require(self.k >= 1, f"k (siblings per branch point) must be >= 1; got {self.k}.")
+        _require(0.0 <= self.lam <= 1.0, f"lam must be in [0, 1] (0.95); got {self.lam}.")
+        _require(self.eps >= 0 and self.beta >= 0, "eps and beta must be >= 0.")
+        _require(self.fallback_n >= 2, "fallback_n needs at least 2 backbones per prompt.")
+        _choice("schedule", self.schedule, SCHEDULE_OPTIONS)
+        _choice("entropy_reduce", self.entropy_reduce, ENTROPY_REDUCTIONS)
+        _choice("gap_unit", self.gap_unit, ("auto", "tokens", "steps"))
+        _choice("tail", self.tail, losses.TAILS)
+        _choice("aggregation", self.aggregation, losses.AGGREGATIONS)
+        _choice("kl_estimator", self.kl_estimator, losses.KL_ESTIMATORS)
+        _choice("keep", self.keep, KEEP_MODES)
+        _choice("env_noise", self.env_noise, ("fresh", "shared"))
+
+
+def _valid_sibling(tree: RolloutTree, node: int) -> bool:
+    """A sibling's return counts unless its line hit a sandbox error."""
+    return all(tree[n].error is None for n in tree.main_line(node))
+
+
+def tree_advantages(
+    tree: RolloutTree, lam: float = 0.95, tail: str = "last"
+) -> tuple[dict[int, float], int, int]:
+    """Eq. (4) at every branch point, then eq. (5) along every path: node -> advantage.
+
+    Each node takes the advantage computed on its owning path (the path through its own
+    continuation), so a shared prefix gets the discounted sum of every downstream
+    comparison on that path once.
+
+    Returns:
+        ``(advantage by node id, branch points, degenerate branch points)``; nodes of a
+        tree without branch points get 0.
+    """
+    bps = tree.branch_points()
+    local: list[torch.Tensor] = []
+    degenerate = 0
+    for bp in bps:
+        returns = torch.tensor(bp.returns, dtype=torch.float64)
+        valid = torch.tensor([_valid_sibling(tree, s) for s in bp.siblings])
+        a = losses.sibling_advantages(returns, mask=valid)
+        degenerate += int(bool((a == 0).all()))
+        local.append(a)
+    index = {(b.parent, b.step): i for i, b in enumerate(bps)}
+    out: dict[int, float] = {}
+    for leaf, owned in tree.owned_nodes().items():
+        nodes = tree.path_to(leaf)
+        steps, values = [], []
+        for pos, nid in enumerate(nodes):
+            k = tree.sibling_index(nid)
+            if k:
+                steps.append(pos)
+                values.append(float(local[index[(tree[nid].parent, pos)]][k - 1]))
+        along = losses.propagate_advantages(len(nodes), steps, values, lam, tail)
+        for nid in owned:
+            out[nid] = float(along[tree[nid].step])
+    return out, len(bps), degenerate
+
+
+def _fallback_advantages(trees: Sequence[RolloutTree]) -> tuple[list[dict[int, float]], int]:
+    """RLOO over the independent backbones of each prompt (K = 1 ablation)."""
+    returns = torch.tensor(np.stack([t.returns() for t in trees]))
+    adv, degenerate = losses.rloo_advantages(returns)
+    out = []
+    for ti, t in enumerate(trees):
+        by_node = {}
+        for j, leaf in enumerate(t.leaves()):
+            for nid in t.path_to(leaf):
+                by_node[nid] = float(adv[ti, j])
+        out.append(by_node)
+    return out, int(degenerate.sum())
+
+
+def loss(args: Args, c: Chunk) -> tuple[torch.Tensor, dict[str, float]]:
+    """Eq. (6): PPO-clip over the counted tokens with their eq. (5) advantages + beta KL."""
+    out = losses.ppo_clip_loss(
+        c.logp,
+        c.old_logp,
+        c.advantages,
+        c.mask,
+        eps=args.eps,
+        eps_high=args.eps_high,
+        aggregation=args.aggregation,
+        ref_logp=c.ref_logp,
+        beta=args.beta,
+        kl_estimator=args.kl_estimator,
+    )
+    return out.loss, out.metrics()
+
+
+def main(args: Args, algo: str = "bpo") -> TrainResult:
+    """Train with Branching PO."""
+    run = Run(args, algo, needs_ref=args.beta > 0)
+    given = {
+        "reduce": args.entropy_reduce,
+        "min_gap": args.min_gap,
+        "gap_unit": args.gap_unit,
+        "fill": args.fill,
+    }
+    schedule_options = {k: given[k] for k in SCHEDULE_OPTIONS[args.schedule]}
+    for _ in run.loop():
+        seeds = run.prompt_seeds()
+        if args.branching:
+            # steps 1-3: a backbone, M branch points by entropy, K-1 siblings at each
+            trees = [
+                grow_tree(
+                    run.spec,
+                    run.behaviour,
+                    args.schedule,
+                    m=args.m,
+                    k=args.k,
+                    seed=s,
+                    rng=run.rng(i),
+                    executor=run.executor,
+                    keep=args.keep,
+                    max_steps=args.max_episode_steps,
+                    schedule_options=schedule_options,
+                    env_noise=args.env_noise,
+                )
+                for i, s in enumerate(seeds)
+            ]
+            # steps 4-5: eq. 4 at each branch point, eq. 5 along each owning path
+            per_tree, n_bp, n_degenerate = [], 0, 0
+            for t in trees:
+                adv, bp, deg = tree_advantages(t, args.lam, args.tail)
+                per_tree.append(adv)
+                n_bp, n_degenerate = n_bp + bp, n_degenerate + deg
+            skipped = sum(all(v == 0 for v in a.values()) for a in per_tree)
+        else:
+            # K = 1 ablation: independent backbones with the RLOO group baseline
+            trees = [
+                group_rollouts(
+                    run.spec,
+                    run.behaviour,
+                    args.fallback_n,
+                    seed=s,
+                    rng=run.rng(i),
+                    executor=run.executor,
+                    max_steps=args.max_episode_steps,
+                )
+                for i, s in enumerate(seeds)
+            ]
+            per_tree, skipped = _fallback_advantages(trees)
+            n_bp = n_degenerate = 0
+        batch = Batch(trees, success_threshold=args.success_threshold)
+        batch.set_advantages(lambda row, d, adv=per_tree: adv[row.tree][d.node])
+        if run.ref is not None:
+            run.frozen_logprobs(run.ref, batch, "ref_logp")
+
+        # step 6, eq. 6: PPO-clip over every (s, a) pair of the tree, shared prefixes once
+        run.log(run.updates(batch, functools.partial(loss, args), weight=WEIGHTS[args.aggregation]))
+        run.log(rollout_metrics(batch))
+        counted = list(batch.decisions())
+        run.log(advantage_metrics([d.advantage for d in counted], [d.tree for d in counted]))
+        run.log(
+            {
+                "groups/skipped": skipped,
+                "groups/total": len(trees),
+                "branching/degenerate_points": n_degenerate,
+            }
+        )
+    return run.close()

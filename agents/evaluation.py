@@ -1,0 +1,132 @@
+"""Exact evaluation of a scoring policy on TextTreeMDP: no sampling noise at all.
+
+In a tree MDP every state has a unique history, so the dialogue a policy sees in a state
+is a function of the state alone, and a policy over the admissible actions is a table
+``pi[node, action]``. :func:`exact_value` builds that table by asking the policy for its
+distribution in every reachable non-terminal state, then computes the expected return
+``V^pi(s_0)`` by backward induction (:meth:`TreeStructure.moments`). With Bernoulli
+rewards that is the success probability itself, so "did training improve success" is
+answered exactly instead of by a noisy estimate.
+
+The dialogues come from the env itself, through its public snapshot interface: from a
+snapshot of each state, every action is taken after restoring and reseeding until each
+of its possible next states has been seen (their list is known from the tree), so the
+observations are exactly the env's.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import numpy as np
+from branchgym.agents.policy import Context, Turn
+
+import branchgym
+from branchgym.error import TrainingConfigError
+from branchgym.executors import EnvSpec
+
+__all__ = ["ExactValue", "exact_value", "supports_exact"]
+
+#: restores per wanted next state before giving up (a child of probability 1e-3 needs ~1e3)
+MAX_TRIES = 20_000
+
+
+@dataclasses.dataclass(frozen=True)
+class ExactValue:
+    """The exact expected return of a policy and the table it was computed from.
+
+    Attributes:
+        value: ``V^pi(s_0)`` (the success probability for Bernoulli rewards).
+        table: ``(n_nodes, n_actions)`` the policy's action probabilities (uniform rows
+            for states it never reaches or that are terminal).
+        states: Non-terminal states visited.
+    """
+
+    value: float
+    table: np.ndarray
+    states: int
+
+
+def supports_exact(spec: EnvSpec, policy: Any) -> bool:
+    """Whether :func:`exact_value` applies: a TextTreeMDP env and a scoring policy."""
+    from branchgym.agents.scoring import ScoringPolicy
+
+    inner = getattr(policy, "policy", policy)  # the run's autocast wrapper
+    return isinstance(inner, ScoringPolicy) and spec.id == "branchgym/TextTreeMDP-v0"
+
+
+def exact_value(spec: EnvSpec, policy: Any, *, max_states: int = 5_000) -> ExactValue:
+    """``V^pi(s_0)`` of a :class:`~branchgym.agents.scoring.ScoringPolicy` on a TextTreeMDP.
+
+    Args:
+        spec: The TextTreeMDP spec (``EnvSpec("branchgym/TextTreeMDP-v0", kwargs)``).
+        policy: A scoring policy (its ``distribution(context)`` gives ``pi(.|s)``).
+        max_states: Refuse mazes with more non-terminal states than this.
+
+    Returns:
+        :class:`ExactValue`.
+    """
+    inner = getattr(policy, "policy", policy)
+    if not supports_exact(spec, policy):
+        raise TrainingConfigError(
+            "exact evaluation needs branchgym/TextTreeMDP-v0 and the scoring policy (a "
+            "distribution over the admissible actions); use the sampled evaluation otherwise."
+        )
+    env = spec.make()
+    stack: list[tuple[Any, Context]] = []
+    try:
+        base = env.unwrapped
+        tree = base.tree
+        inner_states = int(sum(not tree.is_terminal(s) for s in range(tree.n_nodes)))
+        if inner_states > max_states:
+            raise TrainingConfigError(
+                f"the maze has {inner_states} non-terminal states (> max_states={max_states}); "
+                "evaluate it by sampling."
+            )
+        index = {a: i for i, a in enumerate(base.actions)}
+        table = np.full((tree.n_nodes, tree.n_actions), 1.0 / tree.n_actions)
+        obs, info = env.reset(seed=0)
+        stack.append((branchgym.snapshot(env), Context(spec.id, obs, dict(info))))
+        reseed = 0
+        visited = 0
+        while stack:
+            snap, ctx = stack.pop()
+            node = int(ctx.current_info["node"])
+            cands, p = inner.distribution(ctx)
+            table[node] = 0.0
+            for a, prob in zip(cands.actions, p, strict=True):
+                table[node, index[a]] = prob
+            visited += 1
+            for ci, a in enumerate(cands.actions):
+                ai = index[a]
+                want = {
+                    int(c)
+                    for c, q in zip(tree.children[node, ai], tree.probs[node, ai], strict=True)
+                    if c >= 0 and q > 0 and not tree.is_terminal(int(c))
+                }
+                tries = 0
+                while want:
+                    branchgym.restore(env, snap)
+                    branchgym.reseed(env, reseed)
+                    reseed += 1
+                    obs, _, terminated, truncated, info = env.step(a)
+                    child = int(info["node"])
+                    if child in want and not (terminated or truncated):
+                        want.discard(child)
+                        turn = Turn(cands.texts[ci], cands.token_ids[ci], a, obs, dict(info))
+                        stack.append((branchgym.snapshot(env), ctx.extend(turn)))
+                    tries += 1
+                    if tries > MAX_TRIES:
+                        raise TrainingConfigError(
+                            f"state {node}, action {a!r}: next states {sorted(want)} never "
+                            f"appeared in {MAX_TRIES} restores; the env's transitions do not "
+                            "match its tree (a fidelity bug?)."
+                        )
+            snap.release()
+        value = float(tree.moments(table)[0][0])
+        return ExactValue(value, table, visited)
+    finally:
+        for snap, _ in stack:  # left over after an error
+            snap.release()
+        env.close()

@@ -1,0 +1,60 @@
+"""scripts/gpu_learners.py, the GPU check of every learner, runs end to end on CPU (tiny)."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("torch")
+pytest.importorskip("transformers")
+
+SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "gpu_learners.py"
+
+
+@pytest.mark.slow
+def test_gpu_learners_script_runs_every_learner_on_cpu(tmp_path):
+    out = tmp_path / "out"
+    proc = subprocess.run(
+        [
+            sys.executable,
+            str(SCRIPT),
+            "--device",
+            "cpu",
+            "--tiny",
+            "--steps",
+            "2",
+            "--prompts",
+            "1",
+            "--max-new-tokens",
+            "8",
+            "--threads",
+            "1",
+            "--out",
+            str(out),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    report = json.loads((out / "gpu_learners.json").read_text())
+    algos = [r["algo"] for r in report["rows"]]
+    assert algos == ["sft", "grpo", "rloo", "bpo", "bellman_po", "branch_opd", "opd", "opd_multi"]
+    for row in report["rows"]:
+        assert row["steps"] == 2 and row["step_s"] > 0 and row["peak_memory_gb"] > 0
+        if row["algo"] != "sft":
+            assert row["tokens_per_step"] > 0 and row["generate_tokens_per_s"] > 0
+    assert "| bpo |" in (out / "gpu_learners.md").read_text()
+
+
+def test_gpu_learners_script_refuses_cuda_without_a_gpu(tmp_path):
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("a GPU is present")
+    proc = subprocess.run(
+        [sys.executable, str(SCRIPT), "--out", str(tmp_path)], capture_output=True, text=True
+    )
+    assert proc.returncode == 2 and "--device cpu --tiny" in proc.stderr
