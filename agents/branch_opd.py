@@ -242,6 +242,8 @@ def _constraints(run: Run, batch: Batch, detectors: list[Any]) -> None:
         row.cache["pbr"] = []
         if not detectors or not row.decisions:
             continue
+        if len(GenerateKind.runs(run.policy, row)) > 1:
+            continue  # dialogue shortened to fit the context: no single sequence to check
         seq, spans = GenerateKind.sequence(run.policy, row)
         pieces = [decode([t]) for t in seq]
         ps = pbr.ProtocolSequence(seq, pieces, spans)

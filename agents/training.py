@@ -790,12 +790,57 @@ class PolicyKind:
         out: list[list[Tensor]] = [[] for _ in rows]
         if not live:
             return out, [torch.zeros(0, device=device) for _ in logit_positions or []]
-        packs, plans = self.packs(policy, [rows[i] for i in live])
-        where = [logit_positions[i] for i in live] if logit_positions is not None else None
+        pieces = [(i, sub) for i in live for sub in self.runs(policy, rows[i])]
+        where = None
+        if logit_positions is not None:
+            where = []
+            for i, _ in pieces:
+                split = len(self.runs(policy, rows[i])) > 1
+                if split and logit_positions[i]:
+                    raise TrainingConfigError(
+                        "logit positions refer to one sequence per row, but this row's "
+                        "dialogue was shortened to fit the context; give it no positions."
+                    )
+                where.append([] if split else logit_positions[i])
+        packs, plans = self.packs(policy, [sub for _, sub in pieces])
         scores, extra = _packed_forward(model, packs, device, logit_positions=where)
-        for i, s, plan in zip(live, scores, plans, strict=True):
-            out[i] = self.unpack(s, plan)
-        return out, extra
+        row_extra: dict[int, Tensor] = {}
+        for (i, _), s, plan, e in zip(
+            pieces, scores, plans, extra or [None] * len(pieces), strict=True
+        ):
+            out[i].extend(self.unpack(s, plan))
+            if e is not None:
+                row_extra.setdefault(i, e)
+        if logit_positions is None:
+            return out, []
+        return out, [row_extra[i] for i in live]
+
+    @staticmethod
+    def runs(policy: Any, row: Row) -> list[Row]:
+        """The row as runs of decisions that each fit in one token sequence.
+
+        A decision's prompt normally extends the previous one, so a whole path is one
+        sequence. When a long dialogue outgrows the model's context, the prompt drops its
+        oldest turns (:meth:`LLMPolicy.prompt_ids`) and stops extending; each run then
+        gets its own sequence, so every decision is still scored in the exact context it
+        was sampled in. Rows are split only here: advantages stay per path.
+        """
+        if "runs" not in row.cache:
+            runs: list[list[Decision]] = []
+            prev: list[int] | None = None
+            for d in row.decisions:
+                prompt = policy.prompt_ids(d.context)
+                if runs and prev is not None and prompt[: len(prev)] == prev:
+                    runs[-1].append(d)
+                else:
+                    runs.append([d])
+                prev = prompt + [int(t) for t in d.token_ids]
+            row.cache["runs"] = (
+                [row]
+                if len(runs) <= 1
+                else [dataclasses.replace(row, decisions=r, cache={}) for r in runs]
+            )
+        return row.cache["runs"]
 
 
 class GenerateKind(PolicyKind):

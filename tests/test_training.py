@@ -355,9 +355,16 @@ def test_trie_logprobs_are_the_sequence_conditionals():
     assert float(lp.sum()) == pytest.approx(math.log(0.3))
 
 
+@pytest.mark.parametrize("short_context", [False, True])
 @pytest.mark.parametrize("kind", ["scoring", "generate"])
-def test_recomputed_logprobs_equal_the_behaviour_logprobs(kind, tiny_engine):
+def test_recomputed_logprobs_equal_the_behaviour_logprobs(
+    kind, short_context, tiny_engine, monkeypatch
+):
     model = tiny_engine.model
+    if short_context:
+        # Prompts then drop their oldest turns: decisions no longer share one sequence,
+        # and each run of them is scored in its own context.
+        monkeypatch.setattr(tiny_engine, "max_positions", 260)
     pol = (
         ScoringPolicy(tiny_engine)
         if kind == "scoring"
@@ -368,6 +375,8 @@ def test_recomputed_logprobs_equal_the_behaviour_logprobs(kind, tiny_engine):
         spec, pol, "entropy", m=2, k=3, seed=1, rng=1, schedule_options={"gap_unit": "steps"}
     )
     batch = Batch([tree])
+    split = [len(POLICIES[kind].runs(pol, r)) > 1 for r in batch.rows]
+    assert any(split) == short_context
     lps, _ = POLICIES[kind].logprobs(pol, model, batch.rows, torch.device("cpu"))
     for row, per in zip(batch.rows, lps, strict=True):
         for d, lp in zip(row.decisions, per, strict=True):
