@@ -34,6 +34,7 @@ from branchgym.agents.training import (
     TrainResult,
     _require,
     advantage_metrics,
+    ratio_spread,
     rollout_metrics,
 )
 
@@ -98,6 +99,7 @@ def loss(args: Args, c: Chunk) -> tuple[torch.Tensor, dict[str, float]]:
         "losses/mask_fraction": float(out.mask_fraction),
         "losses/cap_fraction": float(out.cap_fraction),
         "losses/omega_mean": float(out.omega_mean),
+        **ratio_spread(c, omega_eps=args.omega_eps),
     }
 
 

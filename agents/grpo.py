@@ -34,6 +34,7 @@ from branchgym.agents.training import (
     _choice,
     _require,
     advantage_metrics,
+    ratio_spread,
     rollout_metrics,
 )
 
@@ -107,7 +108,7 @@ def loss(args: Args, c: Chunk) -> tuple[torch.Tensor, dict[str, float]]:
         beta=args.beta,
         kl_estimator=args.kl_estimator,
     )
-    return out.loss, out.metrics()
+    return out.loss, {**out.metrics(), **ratio_spread(c)}
 
 
 def group_advantages(args: Args, trees: Sequence[RolloutTree]) -> losses.GroupAdvantages:

@@ -76,6 +76,7 @@ __all__ = [
     "field_docs",
     "load_checkpoint_state",
     "path_decisions",
+    "ratio_spread",
     "rollout_metrics",
     "success_of",
 ]
@@ -940,6 +941,38 @@ class ScoringKind(PolicyKind):
                     totals.append(chosen_lp[:shared].sum() + scores[idx].sum())
             log_pi = torch.log_softmax(torch.stack(totals), dim=-1)
             out.append(trie_logprobs(log_pi, cand_ids, chosen))
+        return out
+
+
+def ratio_spread(c: Chunk, *, omega_eps: float | None = None) -> dict[str, float]:
+    """How far the current policy has drifted from the behaviour policy on counted tokens.
+
+    ``ratio/*`` describe the importance ratio ``pi/mu``; with ``omega_eps`` also Bellman
+    PO's weight ``omega = (1 + eps - mu) / (1 + eps - pi)`` (spec section 3), whose spread
+    stays bounded where the ratio's does not. Diagnostics only (no gradient).
+    """
+    with torch.no_grad():
+        m = c.mask > 0
+        if not bool(m.any()):
+            return {}
+        pi, mu = c.logp.detach()[m].exp(), c.old_logp[m].exp()
+        ratio = pi / mu
+        out = {
+            "ratio/absdev": float((ratio - 1).abs().mean()),
+            "ratio/std": float(ratio.std()) if ratio.numel() > 1 else 0.0,
+            "ratio/max": float(ratio.max()),
+        }
+        if omega_eps is not None:
+            from branchgym.agents.losses import bellman_po_weights
+
+            omega = bellman_po_weights(mu, pi, eps=omega_eps)
+            out.update(
+                {
+                    "omega/absdev": float((omega - 1).abs().mean()),
+                    "omega/std": float(omega.std()) if omega.numel() > 1 else 0.0,
+                    "omega/max": float(omega.max()),
+                }
+            )
         return out
 
 

@@ -29,6 +29,18 @@ STUDIES: dict[str, tuple[str, str]] = {
         "branchgym.bench.branching",
         "branching overhead and tokens saved by shared prefixes, per env",
     ),
+    "learning": (
+        "branchgym.bench.learning",
+        "Branching PO vs GRPO vs RLOO at matched rollouts, ablations, WebShop after SFT",
+    ),
+    "distill": (
+        "branchgym.bench.distill",
+        "Branching OPD vs vanilla and multi-rollout OPD: success, reverse KL, tokens saved",
+    ),
+    "bellman": (
+        "branchgym.bench.bellman",
+        "Bellman PO vs GRPO with several updates per batch: success, omega vs ratio spread",
+    ),
     "learners": (
         "branchgym.bench.learners",
         "the reference learners at matched compute on TextTreeMDP: exact success by step",

@@ -47,8 +47,13 @@ DEFAULT_ENVS: dict[str, dict[str, Any]] = {
     "branchgym/TreeMDP-v0": {"depth": 6, "n_outcomes": 2, "transition_noise": 0.3},
     "branchgym/TextTreeMDP-v0": {"depth": 6, "n_outcomes": 2, "transition_noise": 0.3},
     "branchgym/WebShop-v0": {"max_episode_steps": 15},
-    "branchgym/ALFWorld-v0": {"max_episode_steps": 20},
+    "branchgym/ALFWorld-v0": {"max_episode_steps": 12, "expert_plan_in_info": True},
 }
+
+#: env id -> the policy the default study uses there (``random`` elsewhere). A random
+#: agent never solves an ALFWorld task, so its returns carry no variance to decompose;
+#: the planner expert with half of its actions random, within 12 steps, does.
+DEFAULT_POLICY = {"branchgym/ALFWorld-v0": "expert"}
 
 #: Ratio below which branching is worth it (a third of the variance removed or more).
 PAYS_BELOW = 0.8
@@ -106,10 +111,18 @@ class Diagnostic:
 
 
 def make_policy(env: Any, name: str, *, max_new_tokens: int = 32) -> tuple[Any, str]:
-    """``random`` (uniform tabular on TreeMDP, uniform admissible text elsewhere) or a model."""
+    """A policy by name.
+
+    ``random``: uniform tabular on TreeMDP, uniform over the admissible actions elsewhere.
+    ``expert``: the env's planner (``info["expert_plan"]``, e.g. ALFWorld with
+    ``expert_plan_in_info=True``) with probability 0.5, a uniform admissible action
+    otherwise. Anything else is a model (``tiny``, ``smollm2``, a folder) behind LLMPolicy.
+    """
     from branchgym.agents.policy import TabularPolicy, TextPolicy
 
     base = env.unwrapped
+    if name == "expert":
+        return TextPolicy(weights=_expert_weights(0.5)), "planner expert, 50 % random"
     if name == "random":
         if hasattr(base, "tree"):
             return TabularPolicy.uniform(env), "uniform tabular"
@@ -121,6 +134,22 @@ def make_policy(env: Any, name: str, *, max_new_tokens: int = 32) -> tuple[Any, 
     model, tok = load_model(name)
     engine = HFEngine(model, tok, max_new_tokens=max_new_tokens, threads=1)
     return LLMPolicy(engine, max_new_tokens=max_new_tokens), f"{name} (LLMPolicy)"
+
+
+def _expert_weights(eps: float) -> Callable[[Any, list[str]], list[float]]:
+    """TextPolicy weights: the first step of ``info["expert_plan"]`` w.p. 1 - eps."""
+
+    def weights(context: Any, candidates: list[str]) -> list[float]:
+        plan = context.current_info.get("expert_plan") or []
+        if not plan:
+            raise ValueError(
+                "the expert policy needs info['expert_plan'] (ALFWorld: make the env with "
+                "expert_plan_in_info=True)"
+            )
+        base = eps / len(candidates)
+        return [base + (1 - eps) * (c == plan[0]) for c in candidates]
+
+    return weights
 
 
 def _exact_ratio(env: Any, policy: Any, depth: int) -> float | None:
@@ -276,11 +305,14 @@ def main(args: argparse.Namespace) -> int:
     total = len(envs) * prompts * args.independent
     with tqdm(total=total, desc="variance bench: trajectories") as bar:
         for env_id, kwargs in envs.items():
+            policy = (
+                args.policy if args.policy != "random" else DEFAULT_POLICY.get(env_id, "random")
+            )
             results.append(
                 diagnose(
                     env_id,
                     kwargs,
-                    policy=args.policy,
+                    policy=policy,
                     prompts=prompts,
                     independent=args.independent,
                     completions=args.completions,

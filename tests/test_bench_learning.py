@@ -1,0 +1,91 @@
+"""The learning, distill and bellman studies run end to end at the smallest scale."""
+
+import json
+
+import numpy as np
+import pytest
+
+from branchgym.bench.distill import exact_reverse_kl
+from branchgym.bench.runs import mean_se, window_variance
+from branchgym.cli import main
+
+
+@pytest.mark.slow
+def test_learning_study(tmp_path, capsys):
+    assert (
+        main(
+            ["bench", "learning", "--quick", "--seeds", "2", "--steps", "2", "--out", str(tmp_path)]
+        )
+        == 0
+    )
+    md = (tmp_path / "learning.md").read_text()
+    assert "| bpo |" in md and "| grpo |" in md and "| rloo |" in md
+    assert "gradient-norm variance BPO/GRPO" in md and "Against the source" in md
+    data = json.loads((tmp_path / "learning.json").read_text())
+    assert "final success, BPO vs GRPO (N=7)" in data["summary"]
+    assert (tmp_path / "learning_main.png").stat().st_size > 1000
+
+
+@pytest.mark.slow
+def test_distill_study(tmp_path, capsys):
+    assert (
+        main(
+            ["bench", "distill", "--quick", "--seeds", "1", "--steps", "2", "--out", str(tmp_path)]
+        )
+        == 0
+    )
+    md = (tmp_path / "distill.md").read_text()
+    assert "branch_opd (B=3, k=2)" in md and "opd_multi (n=7)" in md and "tokens saved" in md
+    kl = json.loads((tmp_path / "distill.json").read_text())["exact_reverse_kl"]
+    assert all(v[0] >= 0 for v in kl.values())
+
+
+@pytest.mark.slow
+def test_bellman_study(tmp_path, capsys):
+    assert (
+        main(
+            [
+                "bench",
+                "bellman",
+                "--quick",
+                "--seeds",
+                "1",
+                "--steps",
+                "2",
+                "--prompts",
+                "2",
+                "--out",
+                str(tmp_path),
+            ]
+        )
+        == 0
+    )
+    md = (tmp_path / "bellman.md").read_text()
+    assert "| bellman_po |" in md and "mean |omega - 1|" in md
+
+
+def test_exact_reverse_kl_is_zero_for_equal_policies_and_positive_otherwise():
+    import gymnasium as gym
+
+    kw = {"depth": 3, "n_actions": 3}
+    n = gym.make("branchgym/TextTreeMDP-v0", **kw).unwrapped.tree.n_nodes
+    rng = np.random.default_rng(0)
+    a = rng.dirichlet(np.ones(3), size=n)
+    b = rng.dirichlet(np.ones(3), size=n)
+    assert exact_reverse_kl(kw, a, a) == pytest.approx(0.0, abs=1e-12)
+    assert exact_reverse_kl(kw, a, b) > 0
+    # one decision per depth: the sum of per-state KLs along an episode
+    uniform = np.full((n, 3), 1 / 3)
+    one_hot = np.tile([0.998, 0.001, 0.001], (n, 1))
+    per_state = float(np.sum(one_hot[0] * np.log(one_hot[0] * 3)))
+    assert exact_reverse_kl(kw, one_hot, uniform) == pytest.approx(3 * per_state, rel=1e-9)
+
+
+def test_window_variance_and_mean_se():
+    norms = [1.0, 1.0, 2.0, 4.0, 3.0, 3.0]
+    assert window_variance(norms, 3) == [0.0, 2.0, 0.0]
+    free = window_variance([1.0, 3.0], 1, scale_free=True)
+    assert free[0] == pytest.approx(2.0 / 4.0)
+    m, se = mean_se([1.0, 3.0])
+    assert (m, se) == (2.0, 1.0)
+    assert np.isnan(window_variance([1.0], 1)[0])
