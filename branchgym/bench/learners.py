@@ -25,13 +25,21 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-import numpy as np
-
 from branchgym.bench.common import Report
+from branchgym.bench.runs import (
+    CI_MAZE,
+    Run,
+    mean_curve,
+    mean_se,
+    reach_step,
+    run_learner,
+    sft_checkpoint,
+    window_variance,
+)
 
 __all__ = ["configure", "main", "ENV_KWARGS"]
 
-ENV_KWARGS = {"depth": 3, "n_actions": 3, "reward_kind": "bernoulli", "structure_seed": 2}
+ENV_KWARGS = CI_MAZE
 
 #: learner -> options that give it N = 7 rollouts per prompt
 MATCHED: dict[str, dict[str, Any]] = {
@@ -61,71 +69,19 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--quick", action="store_true", help="1 seed, 4 steps (CI)")
 
 
-def _teacher(folder: Path, args: argparse.Namespace) -> str:
-    from branchgym.agents.train import train
-
-    result = train(
-        "sft",
-        env_kwargs=ENV_KWARGS,
-        policy="scoring",
-        lr=3e-4,
-        steps=60,
-        episodes=64,
-        batch_episodes=8,
-        noise=0.3,
-        threads=args.threads,
-        progress=False,
-        out_dir=str(folder / "teacher"),
-    )
-    return str(result.checkpoint)
-
-
-def _one(algo: str, seed: int, args: argparse.Namespace, folder: Path, teacher: str | None) -> dict:
-    from branchgym.agents.train import train
-
-    options = {
-        "env_kwargs": ENV_KWARGS,
-        "policy": "scoring",
-        "seed": seed,
+def _one(algo: str, seed: int, args: argparse.Namespace, folder: Path, teacher: str | None) -> Run:
+    options: dict[str, Any] = {
         "steps": args.steps,
         "prompts_per_step": args.prompts,
         "lr": args.lr,
         "threads": args.threads,
-        "progress": False,
         "eval_episodes": 1,
         "eval_every": args.eval_every,
-        "out_dir": str(folder / f"{algo}-{seed}"),
         **MATCHED[algo],
     }
     if algo in DISTILL:
         options["teacher"] = teacher
-    result = train(algo, **options)
-    hist = result.history
-    curve = [(h["step"], h["eval/exact_value"]) for h in hist if "eval/exact_value" in h]
-    curve = sorted(dict(curve).items())
-    steps = [h for h in hist if "charts/success" in h]
-    norms = [h["grad/norm"] for h in steps if "grad/norm" in h]
-    half = len(norms) // 2
-    return {
-        "curve": curve,
-        "start": curve[0][1],
-        "end": curve[-1][1],
-        "grad_var_early": float(np.var(norms[:half], ddof=1)) if half > 1 else float("nan"),
-        "grad_var_late": float(np.var(norms[half:], ddof=1))
-        if len(norms) - half > 1
-        else float("nan"),
-        "nondegenerate": float(np.mean([h["advantages/nondegenerate_frac"] for h in steps])),
-        "rollouts": float(np.mean([h["charts/rollouts"] for h in steps])),
-        "env_steps": float(np.mean([h["env/steps"] for h in steps])),
-        "tokens": float(np.mean([h["tokens/generated"] for h in steps])),
-        "step_s": float(np.mean([h["time/step_s"] for h in steps])),
-    }
-
-
-def _mean_se(values: list[float]) -> tuple[float, float]:
-    v = np.asarray(values, dtype=float)
-    se = float(v.std(ddof=1) / math.sqrt(v.size)) if v.size > 1 else float("nan")
-    return float(v.mean()), se
+    return run_learner(algo, seed, folder, env_kwargs=ENV_KWARGS, **options)
 
 
 def main(args: argparse.Namespace) -> int:
@@ -140,41 +96,63 @@ def main(args: argparse.Namespace) -> int:
         f"prompt, {args.prompts} prompts per step, {args.steps} steps, lr {args.lr}, "
         f"{args.seeds} seeds; exact success (no evaluation noise)."
     )
-    runs: dict[str, list[dict]] = {}
+    runs: dict[str, list[Run]] = {}
     with tempfile.TemporaryDirectory(prefix="bench_learners_") as tmp:
         folder = Path(tmp)
-        teacher = _teacher(folder, args) if any(a in DISTILL for a in args.algos) else None
+        teacher = None
+        if any(a in DISTILL for a in args.algos):
+            teacher = sft_checkpoint(
+                folder / "teacher",
+                env_id="branchgym/TextTreeMDP-v0",
+                env_kwargs=ENV_KWARGS,
+                threads=args.threads,
+            )
         jobs = [(a, s) for a in args.algos for s in range(args.seeds)]
         for algo, seed in tqdm(jobs, desc="learners", unit="run"):
             runs.setdefault(algo, []).append(_one(algo, seed, args, folder, teacher))
-    report.data = {"args": vars(args), "runs": runs}
-    mean_curves = {}
-    for algo, rs in runs.items():
-        steps = [s for s, _ in rs[0]["curve"]]
-        mean_curves[algo] = (steps, np.mean([[v for _, v in r["curve"]] for r in rs], axis=0))
-    target = mean_curves["grpo"][1][-1] if "grpo" in mean_curves else None
+    report.data = {
+        "args": vars(args),
+        "runs": {
+            a: [
+                {
+                    "seed": r.seed,
+                    "curve": r.curve,
+                    "start": r.start,
+                    "end": r.end,
+                    "rollouts": r.rollouts,
+                    "tokens": r.tokens,
+                    "grad_norms": r.grad_norms,
+                }
+                for r in rs
+            ]
+            for a, rs in runs.items()
+        },
+    }
+    target = mean_curve(runs["grpo"])[1][-1] if "grpo" in runs else None
+
+    def grad_var(r: Run, part: int) -> float:
+        return window_variance(r.grad_norms, 2)[part]
+
     rows = []
     for algo, rs in runs.items():
-        start, start_se = _mean_se([r["start"] for r in rs])
-        end, end_se = _mean_se([r["end"] for r in rs])
+        end, end_se = mean_se([r.end for r in rs])
         reach = "n/a"
         if target is not None:
-            steps, curve = mean_curves[algo]
-            hit = [s for s, v in zip(steps, curve, strict=True) if s > 0 and v >= target]
-            reach = str(hit[0]) if hit else f"> {steps[-1]}"
+            hit = reach_step(rs, target)
+            reach = str(hit) if hit is not None else f"> {mean_curve(rs)[0][-1]}"
         rows.append(
             [
                 algo,
-                f"{start:.3f}",
+                f"{mean_se([r.start for r in rs])[0]:.3f}",
                 f"{end:.3f} ± {end_se:.3f}" if not math.isnan(end_se) else f"{end:.3f}",
                 reach,
-                _mean_se([r["grad_var_early"] for r in rs])[0],
-                _mean_se([r["grad_var_late"] for r in rs])[0],
-                _mean_se([r["nondegenerate"] for r in rs])[0],
-                _mean_se([r["rollouts"] for r in rs])[0] / args.prompts,
-                _mean_se([r["env_steps"] for r in rs])[0],
-                _mean_se([r["tokens"] for r in rs])[0],
-                _mean_se([r["step_s"] for r in rs])[0],
+                mean_se([grad_var(r, 0) for r in rs])[0],
+                mean_se([grad_var(r, 1) for r in rs])[0],
+                mean_se([r.nondegenerate for r in rs])[0],
+                mean_se([r.rollouts for r in rs])[0] / args.prompts,
+                mean_se([r.env_steps for r in rs])[0],
+                mean_se([r.tokens for r in rs])[0],
+                mean_se([r.step_s for r in rs])[0],
             ]
         )
     table = report.table(
@@ -196,9 +174,9 @@ def main(args: argparse.Namespace) -> int:
     print(table)
     if "bpo" in runs and "grpo" in runs:
         ratios = []
-        for key in ("grad_var_early", "grad_var_late"):
-            b = _mean_se([r[key] for r in runs["bpo"]])[0]
-            g = _mean_se([r[key] for r in runs["grpo"]])[0]
+        for part in (0, 1):
+            b = mean_se([grad_var(r, part) for r in runs["bpo"]])[0]
+            g = mean_se([grad_var(r, part) for r in runs["grpo"]])[0]
             ratios.append(b / g if g else float("nan"))
         line = (
             f"grad-norm variance BPO/GRPO: early {ratios[0]:.2f}, late {ratios[1]:.2f} "
@@ -212,7 +190,8 @@ def main(args: argparse.Namespace) -> int:
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(6, 4))
-    for algo, (steps, curve) in mean_curves.items():
+    for algo, rs in runs.items():
+        steps, curve, _ = mean_curve(rs)
         ax.plot(steps, curve, marker="o", label=algo)
     ax.axhline(0.918, color="gray", ls=":", label="optimal")
     ax.set_xlabel("step")
