@@ -153,3 +153,43 @@ def test_git_mode_restores_testbed_and_forks(docker_ready, task_by_name, checkou
     finally:
         sb.close()
     assert owned(db) == {"containers": [], "images": []}
+
+
+def test_prune_stale_removes_only_what_dead_processes_left(docker_ready, monkeypatch):
+    import subprocess
+    import sys
+
+    db = docker_ready
+    client = db.docker_client()
+    child = subprocess.run(
+        [sys.executable, "-c", "import os; print(os.getpid())"],
+        check=True,
+        capture_output=True,
+        text=True,
+    )
+    dead = {
+        "branchgym.sandbox": "1",
+        "branchgym.host": db._HOST,
+        "branchgym.pid": child.stdout.strip(),
+    }
+    live = {**dead, "branchgym.pid": str(os.getpid())}
+    db.prune_stale(client)  # what earlier, killed runs left
+    stale = client.containers.create(db.BASE_IMAGE, ["true"], labels=dead)
+    mine = client.containers.create(db.BASE_IMAGE, ["true"], labels=live)
+    # A container listed but removed before the pass reaches it (a background removal of
+    # this process racing the listing) must not break the pass.
+    listing = client.api.containers
+    phantom = {"Id": "0" * 64, "Labels": dead}
+    monkeypatch.setattr(client.api, "containers", lambda **kw: [phantom, *listing(**kw)])
+    try:
+        assert db.prune_stale(client) == 1
+        monkeypatch.undo()
+        ids = {c["Id"] for c in client.api.containers(all=True)}
+        assert stale.id not in ids and mine.id in ids
+    finally:
+        monkeypatch.undo()
+        for c in (stale, mine):
+            try:
+                client.api.remove_container(c.id, force=True)
+            except Exception:
+                pass

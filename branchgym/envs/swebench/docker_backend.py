@@ -109,9 +109,10 @@ def owned_resources(client: Any | None = None, *, pid: int | None = None) -> dic
     flt = [_LABEL]
     if pid is not None:
         flt.append(f"branchgym.pid={pid}")
-    containers = client.containers.list(all=True, filters={"label": flt})
-    images = client.images.list(filters={"label": [_SNAP_LABEL, *flt[1:]]})
-    return {"containers": [c.id for c in containers], "images": [i.id for i in images]}
+    # The list endpoints alone (no inspect per item): background removals may be running.
+    containers = client.api.containers(all=True, filters={"label": flt})
+    images = client.api.images(filters={"label": [_SNAP_LABEL, *flt[1:]]})
+    return {"containers": [c["Id"] for c in containers], "images": [i["Id"] for i in images]}
 
 
 def prune_stale(client: Any | None = None) -> int:
@@ -131,17 +132,23 @@ def prune_stale(client: Any | None = None) -> int:
             return False
         return False
 
-    for c in client.containers.list(all=True, filters={"label": _LABEL}):
-        if dead(c.labels):
-            c.remove(force=True)
-            removed += 1
-    images = client.images.list(filters={"label": _SNAP_LABEL})
-    for img in sorted(images, key=lambda i: i.attrs.get("Created", ""), reverse=True):
-        if dead(img.labels or {}):
+    # Listed without an inspect per item, and a removal that finds nothing is fine: this
+    # process's own background removals may be deleting containers at the same moment.
+    gone = _docker().errors.NotFound
+    for c in client.api.containers(all=True, filters={"label": _LABEL}):
+        if dead(c.get("Labels") or {}):
             try:
-                client.images.remove(img.id, force=True)
+                client.api.remove_container(c["Id"], force=True)
                 removed += 1
-            except Exception:  # a child still exists; it goes in a later pass
+            except gone:
+                pass
+    images = client.api.images(filters={"label": _SNAP_LABEL})
+    for img in sorted(images, key=lambda i: i.get("Created", 0), reverse=True):
+        if dead(img.get("Labels") or {}):
+            try:
+                client.api.remove_image(img["Id"], force=True)
+                removed += 1
+            except Exception:  # gone already, or a child still exists (a later pass)
                 pass
     return removed
 
