@@ -250,3 +250,14 @@ def test_unisolated_mode_runs_in_the_host_folder(task_by_name, checkout, tmp_pat
         assert shutil.which("bash")
     finally:
         sb.close()
+
+
+def test_an_interpreter_under_tmp_stays_visible(sandbox, tmp_path, monkeypatch):
+    # A clone in /tmp has its .venv there; the sandbox's private /tmp must not hide it,
+    # or grading finds no pytest.
+    venv = tmp_path / "venv"
+    (venv / "bin").mkdir(parents=True)
+    (venv / "bin" / "marker").write_text("here\n")
+    monkeypatch.setattr(sys, "prefix", str(venv))
+    assert run(sandbox, f"cat {venv}/bin/marker") == "here\n"
+    assert run(sandbox, "ls /tmp") == f"{str(venv).split('/')[2]}\n"  # only its mount point

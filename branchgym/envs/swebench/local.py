@@ -369,6 +369,22 @@ def _root_args() -> list[str]:
     return _ROOT_ARGS
 
 
+def _interpreter_binds() -> list[str]:
+    """Show the running interpreter's environment if it lives under the private /tmp or /run.
+
+    Commands (and grading) find pytest through the interpreter first on PATH; a virtual
+    environment created under /tmp (a clone in /tmp, say) would otherwise vanish behind
+    the sandbox's own /tmp.
+    """
+    out: list[str] = []
+    for p in dict.fromkeys((sys.prefix, sys.exec_prefix, sys.base_prefix)):
+        real = os.path.realpath(p)
+        for path in dict.fromkeys((p, real)):
+            if path.startswith(("/tmp/", "/run/")) and os.path.isdir(path):
+                out += ["--ro-bind", path, path]
+    return out
+
+
 class _Runner:
     """Runs ``bash -c`` with a host folder bound at ``/testbed``, isolated or not."""
 
@@ -413,6 +429,7 @@ class _Runner:
         argv += ["--unshare-pid", "--unshare-ipc", "--unshare-uts", "--hostname", "sandbox"]
         argv += _root_args()
         argv += ["--proc", "/proc", "--dev", "/dev", "--tmpfs", "/tmp", "--tmpfs", "/run"]
+        argv += _interpreter_binds()
         for hidden in _hidden_paths():
             if not hidden.startswith("/tmp/"):
                 argv += ["--tmpfs", hidden]
