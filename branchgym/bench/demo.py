@@ -45,7 +45,11 @@ def configure(parser: argparse.ArgumentParser) -> None:
     """Options of ``branchgym demo``."""
     parser.add_argument("--out", default="results/demo", help="results folder")
     parser.add_argument(
-        "--skip", nargs="*", default=[], help="studies to leave out (snapshot, branching, ...)"
+        "--skip",
+        nargs="*",
+        default=[],
+        choices=[name for name, _ in STEPS],
+        help="studies to leave out",
     )
 
 

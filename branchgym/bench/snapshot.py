@@ -78,27 +78,41 @@ def measure_env(
     ``other``, a second instance of the same spec, measures a *fork*: restoring the
     snapshot into another instance (what a sibling on another sandbox does).
     """
+    from branchgym.checker import ActionChooser
+
     actions, _ = _walk_to_depth(env, seed, depth)
+    chooser = ActionChooser(env, seed + 2)
+
+    def move(e: gym.Env, info: dict[str, Any]) -> None:
+        # One random step between timed operations: a restore must undo a real change,
+        # as it does for a sibling (an unchanged state may make a restore free).
+        e.step(chooser(info))
+
     fork_t = []
     if other is not None:
         other.reset(seed=seed + 1)
         with snapshot(env) as snap:
             for _ in range(max(3, repeats // 3) + 1):
                 t0 = time.perf_counter()
-                restore(other, snap)
+                _, info = restore(other, snap)
                 fork_t.append(time.perf_counter() - t0)
+                move(other, info)
     snap_t, rest_t, nbytes = [], [], []
+    with snapshot(env) as snap:
+        _, info = restore(env, snap)
     for _ in range(repeats + 1):
         t0 = time.perf_counter()
         snap = snapshot(env)
         t1 = time.perf_counter()
-        restore(env, snap)
+        move(env, info)
         t2 = time.perf_counter()
+        _, info = restore(env, snap)
+        t3 = time.perf_counter()
         nbytes.append(snap.nbytes)
         kind, picklable = snap.kind, snap.picklable
         snap.release()
         snap_t.append(t1 - t0)
-        rest_t.append(t2 - t1)
+        rest_t.append(t3 - t2)
     replay_t = []
     for _ in range(max(3, repeats // 5)):
         t0 = time.perf_counter()
@@ -126,6 +140,15 @@ def measure_env(
     }
 
 
+def _bench_kwargs(env_id: str) -> dict[str, Any]:
+    """SWE-bench acts through shell commands: random text would change no file."""
+    if env_id == "branchgym/SWEBench-v0":
+        from branchgym.envs.swebench.env import PROBE_ACTIONS
+
+        return {"suggested_actions": PROBE_ACTIONS}
+    return {}
+
+
 def section_registered(report: Report, args: argparse.Namespace) -> None:
     """Every registered env that can be built here."""
     from branchgym.registration import branch_specs
@@ -140,7 +163,8 @@ def section_registered(report: Report, args: argparse.Namespace) -> None:
             )
             continue
         try:
-            env, other = gym.make(spec.id), gym.make(spec.id)
+            kw = _bench_kwargs(spec.id)
+            env, other = gym.make(spec.id, **kw), gym.make(spec.id, **kw)
         except Exception as exc:  # report, never hide, an env that cannot be built
             rows.append([spec.id, "-", "-", "-", "-", "-", "-", "-", f"make failed: {exc}"[:80]])
             continue
@@ -168,7 +192,9 @@ def section_registered(report: Report, args: argparse.Namespace) -> None:
         )
     report.add(
         f"## Registered envs\n\nSnapshot taken after {args.depth} seeded random steps; "
-        f"{args.repeats} timed snapshot+restore pairs each (median / p90, ms). *Replay* is "
+        f"{args.repeats} timed snapshot+restore pairs each (median / p90, ms), with one "
+        "random step between snapshot and restore so that the restore undoes a real change "
+        "(SWE-bench steps are its probe commands, which write files). *Replay* is "
         "the cost of reaching the same state from reset by replaying the prefix, the "
         "alternative to a snapshot. *Fork* restores the snapshot into a second instance of "
         "the same spec (a sibling on another sandbox). *Source* is the snapshot cost the "
