@@ -273,18 +273,25 @@ def main(args: argparse.Namespace) -> int:
     ex.shutdown()
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, 2, figsize=(9, 3.2))
-    labels = [f"{r[0]}\n{r[1]}\n{r[2]}" for r in rows]
+    fig, axes = plt.subplots(1, 2, figsize=(10, max(3.2, 1.2 + 0.26 * len(rows))), sharey=True)
+    labels = [f"{r[0]}: {r[1]}" + (f" ({r[2]})" if r[2] not in ("", "-") else "") for r in rows]
     y = np.arange(len(rows))
-    axes[0].barh(y, [100 * d["branching_overhead"] for d in data.values()])
-    for e, v in SOURCE_OVERHEAD.items():
-        axes[0].axvline(100 * v, ls=":", c="k", lw=0.8)
-        axes[0].text(100 * v, len(rows) - 0.5, e.split("/")[-1].split("-")[0], fontsize=6)
-    axes[0].set_yticks(y, labels, fontsize=6)
+    envs_of_rows = [str(r[0]) for r in rows]
+    palette = {e: f"C{i}" for i, e in enumerate(dict.fromkeys(envs_of_rows))}
+    colors = [palette[e] for e in envs_of_rows]
+    axes[0].barh(y, [100 * d["branching_overhead"] for d in data.values()], color=colors)
+    marked = [(i, 100 * SOURCE_OVERHEAD[f"branchgym/{e}"]) for i, e in enumerate(envs_of_rows)
+              if f"branchgym/{e}" in SOURCE_OVERHEAD]  # fmt: skip
+    if marked:
+        axes[0].plot([v for _, v in marked], [i for i, _ in marked], "k|", markersize=9,
+                     label="source's overhead")  # fmt: skip
+        axes[0].legend(fontsize=7)
+    axes[0].set_yticks(y, labels, fontsize=7)
+    axes[0].invert_yaxis()
     axes[0].set_xlabel("branching overhead, % of rollout time")
-    axes[1].barh(y, [100 * d["tokens_saved"] for d in data.values()])
+    axes[1].barh(y, [100 * d["tokens_saved"] for d in data.values()], color=colors)
     axes[1].axvspan(19, 31, color="0.85", zorder=0, label="source 19-31 %")
-    axes[1].set_yticks(y, [""] * len(rows))
+    axes[1].tick_params(labelleft=False)
     axes[1].set_xlabel("tokens saved vs independent, %")
     axes[1].legend(fontsize=7)
     report.figure(fig, "overview", "Branching overhead and tokens saved per env and setup")
