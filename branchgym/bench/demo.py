@@ -28,7 +28,7 @@ __all__ = ["configure", "main", "run_study", "STEPS"]
 
 #: (study, arguments) run by the demo, in order; ``{out}`` is the results folder.
 STEPS: list[tuple[str, list[str]]] = [
-    ("snapshot", ["--quick", "--repeats", "20"]),
+    ("snapshot", ["--quick"]),
     ("branching", ["--trees", "2", "--max-new-tokens", "16"]),
     ("variance", ["--prompts", "6"]),
     ("learning", ["--quick"]),
