@@ -258,6 +258,9 @@ def test_an_interpreter_under_tmp_stays_visible(sandbox, tmp_path, monkeypatch):
     venv = tmp_path / "venv"
     (venv / "bin").mkdir(parents=True)
     (venv / "bin" / "marker").write_text("here\n")
+    (tmp_path / "private.txt").write_text("host only\n")
     monkeypatch.setattr(sys, "prefix", str(venv))
     assert run(sandbox, f"cat {venv}/bin/marker") == "here\n"
-    assert run(sandbox, "ls /tmp") == f"{str(venv).split('/')[2]}\n"  # only its mount point
+    # Only the interpreter's folder shows: the rest of the host's /tmp stays hidden.
+    assert run(sandbox, f"test -e {tmp_path}/private.txt || echo hidden") == "hidden\n"
+    assert sandbox.exec(f"touch {venv}/bin/new").exit_code != 0  # and read-only
