@@ -62,6 +62,11 @@ def test_bellman_study(tmp_path, capsys):
     )
     md = (tmp_path / "bellman.md").read_text()
     assert "| bellman_po |" in md and "mean |omega - 1|" in md
+    header = next(line for line in md.splitlines() if line.startswith("| learner |"))
+    rows = [line for line in md.splitlines() if line.startswith("| bellman_po |")]
+    # Every row has the header's cell count: no stray '|' inside a cell breaks the table.
+    assert "mean abs(omega - 1)" in header
+    assert all(r.count("|") == header.count("|") for r in rows)
 
 
 def test_exact_reverse_kl_is_zero_for_equal_policies_and_positive_otherwise():

@@ -113,10 +113,10 @@ def main(args: argparse.Namespace) -> int:
                 "learner",
                 "success start",
                 "success end",
-                "mean |pi/mu - 1|",
+                "mean abs(pi/mu - 1)",
                 "std pi/mu",
                 "max pi/mu",
-                "mean |omega - 1|",
+                "mean abs(omega - 1)",
                 "std omega",
                 "max omega",
                 "masked tokens",
@@ -142,7 +142,7 @@ def main(args: argparse.Namespace) -> int:
             "env": "TextTreeMDP",
             "ours": f"{mean_se([r.end for r in b])[0]:.3f} vs {mean_se([r.end for r in g])[0]:.3f}",
             "source": "50.5 vs 39.5 (AIME)",
-            "note": f"|omega-1| / |pi/mu-1| = {o_dev / r_dev:.2f}",
+            "note": f"abs(omega-1) / abs(pi/mu-1) = {o_dev / r_dev:.2f}",
         }
     if "bellman_po" in runs:
         o = mean_se([np.mean(r.metric("omega/absdev")) for r in runs["bellman_po"]])[0]
