@@ -733,6 +733,53 @@ def _packed_forward(
     return out, extra
 
 
+#: Padded tokens (rows x longest row) per forward pass of :func:`_bucketed_forward`.
+FORWARD_TOKENS = 8_192
+
+
+def length_buckets(lengths: Sequence[int], budget: int = FORWARD_TOKENS) -> list[list[int]]:
+    """Indices of ``lengths`` in forward batches of at most ``budget`` padded tokens.
+
+    Everything stays in one batch, in its order, when it fits. Otherwise rows are sorted
+    by length and cut greedily, so short rows are not padded to the longest one: attention
+    costs ``rows x width^2`` per batch, and one long WebShop dialogue in a batch of short
+    ones would multiply the cost of all of them (a row longer than the budget goes alone).
+    """
+    if not lengths:
+        return []
+    if len(lengths) * max(lengths) <= budget:
+        return [list(range(len(lengths)))]
+    out: list[list[int]] = [[]]
+    for i in sorted(range(len(lengths)), key=lambda j: lengths[j]):
+        if out[-1] and (len(out[-1]) + 1) * lengths[i] > budget:
+            out.append([])
+        out[-1].append(i)
+    return out
+
+
+def _bucketed_forward(
+    model: Any,
+    packs: Sequence[Pack],
+    device: torch.device,
+    *,
+    logit_positions: Sequence[Sequence[int]] | None = None,
+) -> tuple[list[Tensor], list[Tensor]]:
+    """:func:`_packed_forward` over :func:`length_buckets`; results in the packs' order."""
+    buckets = length_buckets([len(p.tokens) for p in packs])
+    if len(buckets) == 1:
+        return _packed_forward(model, packs, device, logit_positions=logit_positions)
+    scores: list[Tensor | None] = [None] * len(packs)
+    extra: list[Tensor | None] = [None] * len(packs)
+    for b in buckets:
+        where = [logit_positions[i] for i in b] if logit_positions is not None else None
+        s, e = _packed_forward(model, [packs[i] for i in b], device, logit_positions=where)
+        for j, i in enumerate(b):
+            scores[i] = s[j]
+            if where is not None:
+                extra[i] = e[j]
+    return [s for s in scores if s is not None], [e for e in extra if e is not None]
+
+
 class PolicyKind:
     """How a learner acts and recomputes log-probs; one instance per entry of :data:`POLICIES`."""
 
@@ -804,7 +851,7 @@ class PolicyKind:
                     )
                 where.append([] if split else logit_positions[i])
         packs, plans = self.packs(policy, [sub for _, sub in pieces])
-        scores, extra = _packed_forward(model, packs, device, logit_positions=where)
+        scores, extra = _bucketed_forward(model, packs, device, logit_positions=where)
         row_extra: dict[int, Tensor] = {}
         for (i, _), s, plan, e in zip(
             pieces, scores, plans, extra or [None] * len(pieces), strict=True

@@ -27,6 +27,28 @@ def test_learning_study(tmp_path, capsys):
 
 
 @pytest.mark.slow
+def test_learning_study_webshop_phase(tmp_path, capsys):
+    """The WebShop phase end to end: SFT, every learner from its checkpoint, report and plot."""
+    pytest.importorskip("branchgym.envs.webshop")
+    args = ["bench", "learning", "--seeds", "1", "--steps", "1", "--prompts", "1"]
+    args += ["--no-ablations", "--webshop-seeds", "1", "--webshop-steps", "1"]
+    args += ["--webshop-eval", "2", "--webshop-sft-steps", "1", "--webshop-max-steps", "4"]
+    args += ["--out", str(tmp_path)]
+    assert main(args) == 0
+    md = (tmp_path / "learning.md").read_text()
+    assert "## WebShop, tiny model after SFT" in md and "episodes cut at 4 steps" in md
+    assert "success gain over SFT (points)" in md
+    data = json.loads((tmp_path / "learning.json").read_text())
+    for label in ("bpo", "grpo", "rloo"):
+        (run,) = data["runs"][f"webshop|{label}"]
+        steps = [s for s, _ in run["curve"]]
+        assert steps == [0, 1]  # evaluated at the SFT checkpoint and after the update
+        assert all(0.0 <= v <= 1.0 for _, v in run["curve"])
+    assert "WebShop gain over SFT, BPO vs GRPO" in data["summary"]
+    assert (tmp_path / "learning_webshop.png").stat().st_size > 1000
+
+
+@pytest.mark.slow
 def test_distill_study(tmp_path, capsys):
     assert (
         main(
