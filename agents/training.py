@@ -765,7 +765,7 @@ def _bucketed_forward(
     logit_positions: Sequence[Sequence[int]] | None = None,
 ) -> tuple[list[Tensor], list[Tensor]]:
     """:func:`_packed_forward` over :func:`length_buckets`; results in the packs' order."""
-    buckets = length_buckets([len(p.tokens) for p in packs])
+    buckets = length_buckets([len(p.tokens) for p in packs], FORWARD_TOKENS)
     if len(buckets) == 1:
         return _packed_forward(model, packs, device, logit_positions=logit_positions)
     scores: list[Tensor | None] = [None] * len(packs)

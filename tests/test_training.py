@@ -23,6 +23,7 @@ from branchgym.agents import (  # noqa: E402
     losses,
     pbr,
     sft,
+    training,
 )
 from branchgym.agents.engines.hf import HFEngine  # noqa: E402
 from branchgym.agents.models import load_model, tiny_qwen2  # noqa: E402
@@ -355,12 +356,16 @@ def test_trie_logprobs_are_the_sequence_conditionals():
     assert float(lp.sum()) == pytest.approx(math.log(0.3))
 
 
+@pytest.mark.parametrize("bucketed", [False, True])
 @pytest.mark.parametrize("short_context", [False, True])
 @pytest.mark.parametrize("kind", ["scoring", "generate"])
 def test_recomputed_logprobs_equal_the_behaviour_logprobs(
-    kind, short_context, tiny_engine, monkeypatch
+    kind, short_context, bucketed, tiny_engine, monkeypatch
 ):
     model = tiny_engine.model
+    if bucketed:
+        # A small forward budget: rows are scored in several length-sorted batches.
+        monkeypatch.setattr(training, "FORWARD_TOKENS", 900)
     if short_context:
         # Prompts then drop their oldest turns: decisions no longer share one sequence,
         # and each run of them is scored in its own context.
@@ -377,6 +382,11 @@ def test_recomputed_logprobs_equal_the_behaviour_logprobs(
     batch = Batch([tree])
     split = [len(POLICIES[kind].runs(pol, r)) > 1 for r in batch.rows]
     assert any(split) == short_context
+    if bucketed:
+        k = POLICIES[kind]
+        lengths = [len(k.sequence(pol, sub)[0]) for r in batch.rows for sub in k.runs(pol, r)]
+        buckets = training.length_buckets(lengths, training.FORWARD_TOKENS)
+        assert len(buckets) > 1 and max(map(len, buckets)) > 1
     lps, _ = POLICIES[kind].logprobs(pol, model, batch.rows, torch.device("cpu"))
     for row, per in zip(batch.rows, lps, strict=True):
         for d, lp in zip(row.decisions, per, strict=True):
@@ -386,6 +396,17 @@ def test_recomputed_logprobs_equal_the_behaviour_logprobs(
     sum(lp.sum() for per in lps for lp in per).backward()
     assert model.get_input_embeddings().weight.grad is not None
     model.zero_grad(set_to_none=True)
+
+
+def test_length_buckets_keep_short_rows_away_from_long_ones():
+    assert training.length_buckets([]) == []
+    assert training.length_buckets([5, 3, 4], budget=15) == [[0, 1, 2]]  # fits: order kept
+    buckets = training.length_buckets([100, 10, 12, 90, 11], budget=40)
+    assert sorted(i for b in buckets for i in b) == [0, 1, 2, 3, 4]
+    assert buckets[0] == [1, 4, 2]  # the short rows together, shortest first
+    assert [0] in buckets and [3] in buckets  # rows over the budget go alone
+    for b in buckets:
+        assert len(b) == 1 or len(b) * max([100, 10, 12, 90, 11][i] for i in b) <= 40
 
 
 def test_gradient_accumulation_equals_one_pass(tmp_path):
