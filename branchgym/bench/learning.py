@@ -17,7 +17,7 @@ Setup (every figure of the report is measured in the same run):
   GRPO) and lambda of eq. 5 (0.5, 0.9, 0.95, 1.0).
 * **WebShop** with the tiny model after SFT on the scripted shopper: BPO vs GRPO vs RLOO
   from the same warm start, success on fixed evaluation goals before and after. Episodes
-  are cut at 10 steps (WebShop's default is 15; the scripted shopper needs at most 6):
+  are cut at 10 steps (WebShop's default is 15; the scripted shopper takes 3-5 steps):
   a weak policy's long wandering dialogues cost quadratic attention in every update.
 
 This study measures and prints; it asserts nothing.
@@ -79,23 +79,29 @@ DEFAULT_LABEL = {"K": "K=4 (N=7)", "schedule": "entropy", "lambda": "lambda=0.95
 def configure(parser: argparse.ArgumentParser) -> None:
     """Add this study's options."""
     parser.add_argument("--out", default="results", help="results folder (default: results)")
-    parser.add_argument("--seeds", type=int, default=3)
-    parser.add_argument("--steps", type=int, default=20, help="updates per run")
-    parser.add_argument("--prompts", type=int, default=4, help="prompts per update")
-    parser.add_argument("--lr", type=float, default=1e-4)
-    parser.add_argument("--eval-every", type=int, default=4)
+    parser.add_argument("--seeds", type=int, default=3, help="seeds per learner (3)")
+    parser.add_argument("--steps", type=int, default=20, help="updates per maze run (20)")
+    parser.add_argument("--prompts", type=int, default=4, help="prompts per update (4)")
+    parser.add_argument("--lr", type=float, default=1e-4, help="learning rate (1e-4)")
+    parser.add_argument("--eval-every", type=int, default=4, help="updates between evaluations")
     parser.add_argument("--threads", type=int, default=1, help="torch CPU threads")
-    parser.add_argument("--no-ablations", action="store_true")
-    parser.add_argument("--no-webshop", action="store_true")
-    parser.add_argument("--webshop-seeds", type=int, default=2)
-    parser.add_argument("--webshop-steps", type=int, default=6)
-    parser.add_argument("--webshop-eval", type=int, default=12, help="evaluation goals")
-    parser.add_argument("--webshop-sft-steps", type=int, default=20, help="SFT updates first")
+    parser.add_argument(
+        "--no-ablations", action="store_true", help="skip the K/schedule/lambda runs"
+    )
+    parser.add_argument("--no-webshop", action="store_true", help="skip the WebShop phase")
+    parser.add_argument("--webshop-seeds", type=int, default=2, help="WebShop seeds (2)")
+    parser.add_argument("--webshop-steps", type=int, default=6, help="WebShop updates per run (6)")
+    parser.add_argument(
+        "--webshop-eval", type=int, default=12, help="WebShop evaluation goals (12)"
+    )
+    parser.add_argument(
+        "--webshop-sft-steps", type=int, default=20, help="WebShop SFT updates before RL (20)"
+    )
     parser.add_argument(
         "--webshop-max-steps",
         type=int,
         default=10,
-        help="WebShop's step limit in this study (its default 15; the expert needs at most 6)",
+        help="WebShop's step limit in this study (its default 15; the scripted shopper takes 3-5)",
     )
     parser.add_argument(
         "--quick", action="store_true", help="the CI maze, 10 updates, main comparison only"
