@@ -768,16 +768,14 @@ def _bucketed_forward(
     buckets = length_buckets([len(p.tokens) for p in packs], FORWARD_TOKENS)
     if len(buckets) == 1:
         return _packed_forward(model, packs, device, logit_positions=logit_positions)
-    scores: list[Tensor | None] = [None] * len(packs)
-    extra: list[Tensor | None] = [None] * len(packs)
+    scores: dict[int, Tensor] = {}
+    extra: dict[int, Tensor] = {}
     for b in buckets:
         where = [logit_positions[i] for i in b] if logit_positions is not None else None
         s, e = _packed_forward(model, [packs[i] for i in b], device, logit_positions=where)
-        for j, i in enumerate(b):
-            scores[i] = s[j]
-            if where is not None:
-                extra[i] = e[j]
-    return [s for s in scores if s is not None], [e for e in extra if e is not None]
+        scores.update(zip(b, s, strict=True))
+        extra.update(zip(b, e, strict=False))  # e is empty without logit positions
+    return [scores[i] for i in range(len(packs))], [extra[i] for i in sorted(extra)]
 
 
 class PolicyKind:
