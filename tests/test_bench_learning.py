@@ -48,6 +48,18 @@ def test_learning_study_webshop_phase(tmp_path, capsys):
     assert (tmp_path / "learning_webshop.png").stat().st_size > 1000
 
 
+@pytest.mark.parametrize(
+    ("option", "value", "message"),
+    [("--webshop-max-steps", "0", "0 must be at least 1"), ("--seeds", "two", "not an integer")],
+)
+def test_learning_study_refuses_bad_counts_before_any_run(option, value, message, capsys):
+    with pytest.raises(SystemExit) as exc:
+        main(["bench", "learning", option, value])
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert option in err and message in err
+
+
 @pytest.mark.slow
 def test_distill_study(tmp_path, capsys):
     assert (

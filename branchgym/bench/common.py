@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import datetime as _dt
 import json
@@ -14,12 +15,24 @@ from typing import Any
 import numpy as np
 
 __all__ = [
+    "positive_int",
     "Timing",
     "time_calls",
     "markdown_table",
     "Report",
     "machine_line",
 ]
+
+
+def positive_int(text: str) -> int:
+    """An argparse ``type``: an integer of at least 1, else a usage error saying so."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer; give e.g. 4") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{value} must be at least 1")
+    return value
 
 
 @dataclasses.dataclass(frozen=True)

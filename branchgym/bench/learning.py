@@ -33,7 +33,7 @@ from typing import Any
 import numpy as np
 from tqdm import tqdm
 
-from branchgym.bench.common import Report
+from branchgym.bench.common import Report, positive_int
 from branchgym.bench.runs import (
     CI_MAZE,
     STUDY_MAZE,
@@ -75,31 +75,42 @@ ABLATIONS: dict[str, dict[str, dict[str, Any]]] = {
 }
 DEFAULT_LABEL = {"K": "K=4 (N=7)", "schedule": "entropy", "lambda": "lambda=0.95"}
 
+#: The WebShop phase's warm start: expert episodes for SFT, and their share of random actions.
+WEBSHOP_SFT_EPISODES = 32
+WEBSHOP_SFT_NOISE = 0.2
+
 
 def configure(parser: argparse.ArgumentParser) -> None:
     """Add this study's options."""
     parser.add_argument("--out", default="results", help="results folder (default: results)")
-    parser.add_argument("--seeds", type=int, default=3, help="seeds per learner (3)")
-    parser.add_argument("--steps", type=int, default=20, help="updates per maze run (20)")
-    parser.add_argument("--prompts", type=int, default=4, help="prompts per update (4)")
+    parser.add_argument("--seeds", type=positive_int, default=3, help="seeds per learner (3)")
+    parser.add_argument("--steps", type=positive_int, default=20, help="updates per maze run (20)")
+    parser.add_argument("--prompts", type=positive_int, default=4, help="prompts per update (4)")
     parser.add_argument("--lr", type=float, default=1e-4, help="learning rate (1e-4)")
-    parser.add_argument("--eval-every", type=int, default=4, help="updates between evaluations")
-    parser.add_argument("--threads", type=int, default=1, help="torch CPU threads")
+    parser.add_argument(
+        "--eval-every", type=positive_int, default=4, help="updates between evaluations"
+    )
+    parser.add_argument("--threads", type=positive_int, default=1, help="torch CPU threads")
     parser.add_argument(
         "--no-ablations", action="store_true", help="skip the K/schedule/lambda runs"
     )
     parser.add_argument("--no-webshop", action="store_true", help="skip the WebShop phase")
-    parser.add_argument("--webshop-seeds", type=int, default=2, help="WebShop seeds (2)")
-    parser.add_argument("--webshop-steps", type=int, default=6, help="WebShop updates per run (6)")
+    parser.add_argument("--webshop-seeds", type=positive_int, default=2, help="WebShop seeds (2)")
     parser.add_argument(
-        "--webshop-eval", type=int, default=12, help="WebShop evaluation goals (12)"
+        "--webshop-steps", type=positive_int, default=6, help="WebShop updates per run (6)"
     )
     parser.add_argument(
-        "--webshop-sft-steps", type=int, default=20, help="WebShop SFT updates before RL (20)"
+        "--webshop-eval", type=positive_int, default=12, help="WebShop evaluation goals (12)"
+    )
+    parser.add_argument(
+        "--webshop-sft-steps",
+        type=positive_int,
+        default=20,
+        help="WebShop SFT updates before RL (20)",
     )
     parser.add_argument(
         "--webshop-max-steps",
-        type=int,
+        type=positive_int,
         default=10,
         help="WebShop's step limit in this study (its default 15; the scripted shopper takes 3-5)",
     )
@@ -307,8 +318,9 @@ def main(args: argparse.Namespace) -> int:  # noqa: C901 - one study, read top t
             f"## WebShop, tiny model after SFT\n\nSetup: branchgym/WebShop-v0 on the "
             f"generated 1,000-product catalog (train goals), episodes cut at "
             f"{args.webshop_max_steps} steps. The tiny model is first fine-tuned on the "
-            f"scripted shopper ({webshop['sft_steps']} SFT updates on 32 expert episodes with "
-            f"20 % random actions), then each learner trains from that checkpoint: "
+            f"scripted shopper ({webshop['sft_steps']} SFT updates on {WEBSHOP_SFT_EPISODES} "
+            f"expert episodes with {100 * WEBSHOP_SFT_NOISE:.0f} % random actions), then each "
+            "learner trains from that checkpoint: "
             f"{args.webshop_steps} updates of {args.prompts} prompts, N = 7, lr {args.lr}, "
             f"{args.webshop_seeds} seeds; success = reward 1 on {args.webshop_eval} evaluation "
             "goals (sampled actions, so it carries evaluation noise: compare differences to "
@@ -316,7 +328,7 @@ def main(args: argparse.Namespace) -> int:  # noqa: C901 - one study, read top t
         )
         rows = [_row(lb, rs, args.prompts, None) for lb, rs in ws_runs.items()]
         print(report.table(HEAD, rows))
-        gains = {a: mean_se([r.end - r.start for r in ws_runs[a]]) for a in ws_runs if ws_runs[a]}
+        gains = {a: mean_se([r.end - r.start for r in rs]) for a, rs in ws_runs.items()}
         print(
             report.table(
                 ["learner", "success gain over SFT (points)"],
@@ -375,10 +387,10 @@ def main(args: argparse.Namespace) -> int:  # noqa: C901 - one study, read top t
                 }
                 for r in rs
             ]
-            for (g, lb), rs in [
-                *runs.items(),
-                *[(("webshop", lb), rs) for lb, rs in (webshop.get("runs") or {}).items()],
-            ]
+            for (g, lb), rs in {
+                **runs,
+                **{("webshop", lb): rs for lb, rs in webshop.get("runs", {}).items()},
+            }.items()
         },
     }
     path = report.save()
@@ -408,8 +420,8 @@ def _webshop(args: argparse.Namespace, folder: Path) -> dict[str, Any]:
         env_id="branchgym/WebShop-v0",
         env_kwargs=env_kwargs,
         steps=sft_steps,
-        episodes=32,
-        noise=0.2,
+        episodes=WEBSHOP_SFT_EPISODES,
+        noise=WEBSHOP_SFT_NOISE,
         threads=args.threads,
     )
     out: dict[str, list[Run]] = {}
