@@ -29,6 +29,7 @@ __all__ = [
     "DependencyMissingError",
     "LossInputError",
     "SandboxError",
+    "SandboxConfigError",
     "SandboxUnavailableError",
     "ScheduleError",
     "ExecutorError",
@@ -136,6 +137,10 @@ class LossInputError(Error, ValueError):
 
 class SandboxError(Error, RuntimeError):
     """A sandbox operation failed (a path outside the repository, a closed sandbox)."""
+
+
+class SandboxConfigError(SandboxError, ValueError):
+    """A sandbox option is invalid (a resource limit that is not a size, an unknown limit)."""
 
 
 class SandboxUnavailableError(SandboxError):

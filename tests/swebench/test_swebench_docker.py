@@ -51,14 +51,14 @@ def test_commit_snapshots_cover_files_modes_cwd_env_and_system(docker_ready):
         digest = env.unwrapped.state_digest()
         env.step(
             "echo x >> core.py; rm ../README.md; chmod 600 __init__.py; mkdir -p ../e/f; "
-            "echo sys > /root/outside.txt; cd /; export MODE=b"
+            "echo sys > ~/outside.txt; cd /; export MODE=b"
         )
         assert env.unwrapped.state_digest() != digest
         obs, info = env.restore(snap)
         assert info["cwd"] == "/testbed/slugify"
         assert env.unwrapped.state_digest() == digest
-        out = env.step("echo $MODE; stat -c %a __init__.py; ls ..; ls /root")[0]
-        assert out == "a\n644\nREADME.md\nslugify\ntests\n"  # /root/outside.txt is gone too
+        out = env.step("echo $MODE; stat -c %a __init__.py; ls ..; ls ~")[0]
+        assert out == "a\n644\nREADME.md\nslugify\ntests\n"  # ~/outside.txt is gone too
         net = env.step(
             "python3 -c \"import socket; print(socket.socket().connect_ex(('1.1.1.1', 80)))\""
         )

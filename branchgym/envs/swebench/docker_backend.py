@@ -16,9 +16,22 @@ Snapshot modes:
   (``/var/lib/branchgym``). Fast (one ``exec``), but only ``/testbed`` is restored.
   Restoring into another container commits the source container first.
 
-No CRIU: process state is not snapshotted (it does not work here, and commands do not
-leave processes behind: each runs under ``timeout`` and the container's only
-long-running process is ``sleep``). Containers have no network (``network_mode=none``).
+No CRIU: process state is not snapshotted. Nothing outlives a command: each runs under
+``timeout``, and when it ends everything it started is killed (``kill -9 -1`` as the
+sandbox user), so the container's only long-running process is ``sleep`` and every
+snapshot sees a quiesced state.
+
+Least privilege: no network (``network_mode=none``), every capability dropped except
+CHOWN, DAC_OVERRIDE and FOWNER (which only root, i.e. branchgym's own snapshot and
+digest commands, can use: Docker gives a non-root user no effective capabilities),
+``no-new-privileges``, and the agent's commands run as uid 1000 in branchgym-built images
+(``user=`` changes it; images given with ``image=`` run as root by default, since
+SWE-bench's images own ``/testbed`` and their conda environment as root). Limits
+(:class:`~branchgym.envs.swebench.limits.Limits`): memory and swap, pids, ``RLIMIT_CPU``
+and ``RLIMIT_FSIZE`` per container; the writable layer's size with ``--storage-opt
+size=`` where the storage driver supports it (overlay2 on xfs with project quotas,
+btrfs, zfs); elsewhere only the per-file limit holds. The root file system stays
+writable: a snapshot is a commit of the container's writable layer.
 
 Images: the task image is the base image (``branchgym/swebench-base:bookworm``, built
 offline by ``scripts/swebench_docker_image.sh``: Debian minbase with python3, git,
@@ -29,11 +42,13 @@ with the repository at ``/testbed`` (SWE-bench's per-instance images) via ``imag
 from __future__ import annotations
 
 import concurrent.futures
+import dataclasses
 import io
 import json
 import os
 import re
 import shlex
+import signal
 import socket
 import tarfile
 import tempfile
@@ -43,6 +58,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from branchgym.envs.swebench.limits import Limits
 from branchgym.envs.swebench.sandbox import (
     TREE_DIGEST_SOURCE,
     WORKDIR,
@@ -67,6 +83,9 @@ __all__ = [
 #: The base image ``scripts/swebench_docker_image.sh`` builds (``$BRANCHGYM_DOCKER_IMAGE``).
 BASE_IMAGE = os.environ.get("BRANCHGYM_DOCKER_IMAGE", "branchgym/swebench-base:bookworm")
 _LABEL = "branchgym.sandbox"
+#: The agent's uid and gid in branchgym-built images, and its home folder there.
+SANDBOX_UID = 1000
+AGENT_HOME = "/home/agent"
 _SNAP_LABEL = "branchgym.snapshot"
 _HOST = socket.gethostname()
 
@@ -226,6 +245,7 @@ def add():
         git("add", "-A", "-f", "--", ".", work="/testbed/.git", index=S + "/gindex")
 if not os.path.isdir(S + "/snap.git"):
     os.makedirs(S + "/m", exist_ok=True)
+    os.chmod(S, 0o700)
     subprocess.run(["git", "init", "-q", "--bare", S + "/snap.git"], check=True)
     subprocess.run(["git", "--git-dir", S + "/snap.git", "config", "gc.auto", "0"], check=True)
 if sys.argv[1] == "snapshot":
@@ -302,6 +322,7 @@ class _Container:
                 working_dir=WORKDIR,
                 hostname="sandbox",
                 labels=_labels(),
+                **backend.run_options(),
             )
         except Exception:
             backend.images.drop(image_id)
@@ -368,19 +389,47 @@ class DockerSandbox(Sandbox):
         self._check_open()
         env = dict(self.b.default_env() if env is None else env)
         script = f"cd -- {shlex.quote(cwd)} || exit 1\n{command}"
+        run = (
+            "timeout -k 5 " + f"{timeout:g}" + ' bash -c "$1"'
+            if timeout is not None
+            else 'bash -c "$1"'
+        )
+        # When the command ends (or times out), everything it left running dies with it.
+        wrapper = f"{run}; rc=$?; kill -9 -1 2>/dev/null; exit $rc"
         argv = ["env", "-i", *(f"{k}={v}" for k, v in env.items())]
-        if timeout is not None:
-            argv += ["timeout", "-k", "5", f"{timeout:g}"]
-        argv += ["bash", "-c", script]
-        return self._exec(argv, timeout)
+        argv += ["bash", "-c", wrapper, "branchgym", script]
+        before = self.b.cgroup_counts(self.box.c.id)
+        res = self._exec(argv, timeout, user=self.b.user)
+        return dataclasses.replace(res, limit=self._limit_hit(res, before))
 
-    def _exec(self, argv: list[str], timeout: float | None, stderr: bool = True) -> ExecResult:
+    def _limit_hit(self, res: ExecResult, before: dict[str, int]) -> str:
+        lim = self.b.limits
+        after = self.b.cgroup_counts(self.box.c.id)
+        if after.get("oom_kill", 0) > before.get("oom_kill", 0) and lim.memory is not None:
+            return lim.describe("memory")
+        if res.exit_code == 128 + signal.SIGXCPU and lim.cpu is not None:
+            return lim.describe("cpu")
+        if (
+            res.exit_code == 128 + signal.SIGXFSZ or b"File size limit exceeded" in res.output
+        ) and lim.disk is not None:
+            return lim.describe("disk") + " (file size)"
+        if after.get("pids_max", 0) > before.get("pids_max", 0) and lim.pids is not None:
+            return lim.describe("pids")
+        if b"No space left on device" in res.output and lim.disk is not None:
+            return lim.describe("disk")
+        return ""
+
+    def _exec(
+        self, argv: list[str], timeout: float | None, stderr: bool = True, user: str = "0"
+    ) -> ExecResult:
+        """Run ``argv`` in the container as ``user`` (root for branchgym's own commands)."""
         api = self.b.client.api
         t0 = time.perf_counter()
-        ex = api.exec_create(self.box.c.id, argv, stdout=True, stderr=stderr)
+        ex = api.exec_create(self.box.c.id, argv, stdout=True, stderr=stderr, user=user)
         chunks, size, dropped = [], 0, 0
+        cap = self.b.limits.output
         for chunk in api.exec_start(ex["Id"], stream=True):
-            if size < (2 << 20):
+            if size < cap:
                 chunks.append(chunk)
                 size += len(chunk)
             else:
@@ -393,10 +442,12 @@ class DockerSandbox(Sandbox):
         )
 
     def read(self, path: str) -> bytes:
-        """A file's bytes (``cat`` in the container)."""
+        """A file's bytes (``cat`` in the container; links must stay inside /testbed)."""
         self._check_open()
         full = f"{WORKDIR}/{inside_workdir(path)}"
-        res = self._exec(["cat", "--", full], 60.0, stderr=False)
+        res = self._exec(["bash", "-c", _INSIDE + 'cat -- "$p"', "read", full], 60.0, stderr=False)
+        if res.exit_code == 3:
+            raise SandboxError(f"{path!r} resolves outside the repository (through a symlink)")
         if res.exit_code != 0:
             raise SandboxError(f"cannot read {path!r} in the container")
         return res.output
@@ -408,10 +459,21 @@ class DockerSandbox(Sandbox):
             raise SandboxError(f"write() takes bytes, got {type(data).__name__}")
         rel = inside_workdir(path)
         parent, name = os.path.split(f"{WORKDIR}/{rel}")
-        self._exec(["mkdir", "-p", parent], 60.0)
+        check = (
+            'mkdir -p -- "$1" || exit 1; ' + _INSIDE + '[ ! -L "$p/$2" ] || '
+            '{ t=$(realpath -m -- "$p/$2"); case "$t" in /testbed/*) ;; *) exit 3;; esac; }'
+        )
+        argv = ["bash", "-c", check, "write", parent, name]
+        res = self._exec(argv, 60.0, user=self.b.user)
+        if res.exit_code == 3:
+            raise SandboxError(f"{path!r} resolves outside the repository (through a symlink)")
+        if res.exit_code != 0:
+            raise SandboxError(f"cannot write {path!r} in the container: {res.text[-300:]}")
         buf = io.BytesIO()
+        uid, _, gid = self.b.user.partition(":")
         with tarfile.open(fileobj=buf, mode="w") as tar:
             info = tarfile.TarInfo(name)
+            info.uid, info.gid = int(uid or 0), int(gid or uid or 0)
             info.size = len(data)
             info.mode = 0o644 if mode is None else mode
             info.mtime = int(time.time())
@@ -500,10 +562,20 @@ class DockerBackend:
         image: Image name or ``{instance_id}`` template for the tasks; default: the base
             image plus each task's checkout.
         max_layers: Flatten a snapshot image once it has this many layers.
+        limits: Resource limits (per container; see the module docstring).
+        user: ``uid:gid`` the agent's commands run as; default ``1000:1000`` in
+            branchgym-built images (which give it /testbed and /home/agent), ``0:0`` in
+            images given with ``image=``.
     """
 
     def __init__(
-        self, *, snapshot_mode: str = "commit", image: str | None = None, max_layers: int = 100
+        self,
+        *,
+        snapshot_mode: str = "commit",
+        image: str | None = None,
+        max_layers: int = 100,
+        limits: Limits | Mapping[str, Any] | None = None,
+        user: str | None = None,
     ) -> None:
         """Connect to the daemon and clean up after dead processes."""
         if snapshot_mode not in ("commit", "git"):
@@ -511,6 +583,12 @@ class DockerBackend:
         self.snapshot_mode = snapshot_mode
         self.image = image
         self.max_layers = max_layers
+        self.limits = Limits.of(limits)  # type: ignore[arg-type]
+        if user is None:
+            user = "0:0" if image else f"{SANDBOX_UID}:{SANDBOX_UID}"
+        if not re.fullmatch(r"\d+(:\d+)?", str(user)):
+            raise SandboxError(f"user must be 'uid' or 'uid:gid' (numbers), not {user!r}")
+        self.user = str(user)
         self.client = docker_client()
         self.images = _images_for(self.client)
         self.pool = _pool()
@@ -523,7 +601,95 @@ class DockerBackend:
 
     def default_env(self) -> dict[str, str]:
         """The environment a new shell starts with."""
-        return default_env(home="/root")
+        return default_env(home="/root" if self.user.split(":")[0] == "0" else AGENT_HOME)
+
+    def run_options(self) -> dict[str, Any]:
+        """``containers.run`` keywords: least privilege and the resource limits."""
+        docker = _docker()
+        lim = self.limits
+        opts: dict[str, Any] = {
+            # PID 1 is Docker's init: it reaps what the per-command kill leaves as zombies
+            # (a zombie still counts against the pids limit).
+            "init": True,
+            "cap_drop": ["ALL"],
+            "cap_add": ["CHOWN", "DAC_OVERRIDE", "FOWNER"],
+            "security_opt": ["no-new-privileges"],
+        }
+        if lim.memory is not None:
+            opts["mem_limit"] = lim.memory
+            opts["memswap_limit"] = lim.memory
+        if lim.pids is not None:
+            opts["pids_limit"] = lim.pids
+        ulimits = []
+        if lim.cpu is not None:
+            ulimits.append(docker.types.Ulimit(name="cpu", soft=lim.cpu, hard=lim.cpu))
+        if lim.disk is not None:
+            ulimits.append(docker.types.Ulimit(name="fsize", soft=lim.disk, hard=lim.disk))
+            if self.disk_quota_supported():
+                opts["storage_opt"] = {"size": str(lim.disk)}
+        if ulimits:
+            opts["ulimits"] = ulimits
+        return opts
+
+    def disk_quota_supported(self) -> bool:
+        """Does the storage driver take ``--storage-opt size=`` (probed once per daemon)?"""
+        key = id(self.client)
+        if key not in _QUOTA:
+            try:
+                c = self.client.containers.create(
+                    BASE_IMAGE if not self.image else self.image.split("{")[0] or BASE_IMAGE,
+                    ["true"],
+                    storage_opt={"size": "1G"},
+                    labels=_labels(),
+                )
+            except Exception:  # APIError: the driver has no quota; ImageNotFound: unknown
+                _QUOTA[key] = False
+            else:
+                c.remove(force=True)
+                _QUOTA[key] = True
+        return _QUOTA[key]
+
+    def enforced_limits(self) -> dict[str, str]:
+        """Each limit in force and what enforces it."""
+        lim = self.limits
+        out = {}
+        if lim.memory is not None:
+            out["memory"] = "container memory cgroup (memory + swap)"
+        if lim.pids is not None:
+            out["pids"] = "container pids cgroup"
+        if lim.cpu is not None:
+            out["cpu"] = "RLIMIT_CPU"
+        if lim.disk is not None:
+            out["disk"] = (
+                "storage-opt size"
+                if self.disk_quota_supported()
+                else "RLIMIT_FSIZE (per file only)"
+            )
+        return out
+
+    def cgroup_counts(self, container_id: str) -> dict[str, int]:
+        """OOM kills and pids-limit hits of a container so far (0 where unreadable)."""
+        out = {"oom_kill": 0, "pids_max": 0}
+        for ctl, name, key, field in (
+            ("memory", "memory.oom_control", "oom_kill", "oom_kill"),
+            ("memory", "memory.events", "oom_kill", "oom_kill"),
+            ("pids", "pids.events", "pids_max", "max"),
+        ):
+            for base in (f"/sys/fs/cgroup/{ctl}/docker", "/sys/fs/cgroup/docker",
+                         "/sys/fs/cgroup/system.slice"):  # fmt: skip
+                leaf = (
+                    container_id if "system.slice" not in base else f"docker-{container_id}.scope"
+                )
+                try:
+                    text = Path(base, leaf, name).read_text()
+                except OSError:
+                    continue
+                for line in text.splitlines():
+                    k, _, v = line.partition(" ")
+                    if k == field and v.strip().isdigit():
+                        out[key] = max(out[key], int(v))
+                break
+        return out
 
     def later(self, fn: Any) -> None:
         """Run ``fn`` in the background (container removal is ~0.1-0.3 s)."""
@@ -553,7 +719,12 @@ class DockerBackend:
                 f"the base image {BASE_IMAGE!r} is missing: build it offline with "
                 "scripts/swebench_docker_image.sh (make test does), or pass docker_image=."
             ) from exc
-        tag = f"{_tag_part(task.instance_id)}-{task.base_commit[:12]}-{base.id.split(':')[-1][:12]}"
+        # "-u1000": /testbed and /home/agent belong to the sandbox user (older task images
+        # of the same checkout, owned by root, are not reused).
+        tag = (
+            f"{_tag_part(task.instance_id)}-{task.base_commit[:12]}-"
+            f"{base.id.split(':')[-1][:12]}-u{SANDBOX_UID}"
+        )
         name = f"branchgym/swebench-task:{tag}"
         with _BUILD_LOCK:
             try:
@@ -562,9 +733,18 @@ class DockerBackend:
                 pass
             c = self.client.containers.create(base.id, ["true"], labels=_labels())
             try:
+
+                def owned(info: tarfile.TarInfo) -> tarfile.TarInfo:
+                    info.uid = info.gid = SANDBOX_UID
+                    info.uname = info.gname = ""
+                    return info
+
                 buf = io.BytesIO()
                 with tarfile.open(fileobj=buf, mode="w") as tar:
-                    tar.add(str(checkout), arcname=WORKDIR.lstrip("/"))
+                    tar.add(str(checkout), arcname=WORKDIR.lstrip("/"), filter=owned)
+                    home = tarfile.TarInfo(AGENT_HOME.lstrip("/"))
+                    home.type, home.mode = tarfile.DIRTYPE, 0o755
+                    tar.addfile(owned(home))
                 c.put_archive("/", buf.getvalue())
                 c.commit(
                     repository="branchgym/swebench-task",
@@ -628,7 +808,14 @@ class DockerBackend:
         raise SandboxError(f"the docker backend cannot restore a {snap.kind} snapshot")
 
 
+#: Shell code that resolves "$1" (links followed) into $p and exits 3 if it leaves /testbed.
+_INSIDE = (
+    'p=$(realpath -m -- "$1") || exit 1; '
+    'case "$p" in /testbed|/testbed/*) ;; *) exit 3;; esac; '
+)
+
 _BUILD_LOCK = threading.Lock()
+_QUOTA: dict[int, bool] = {}
 _IMAGES: dict[int, _Images] = {}
 _POOL: concurrent.futures.ThreadPoolExecutor | None = None
 _FUTURES: list[concurrent.futures.Future] = []

@@ -30,9 +30,22 @@ import gymnasium as gym
 
 from branchgym.core import Snapshot, SnapshottableEnv
 from branchgym.digest import stable_hash
-from branchgym.envs.swebench.grading import GradeReport, grade, working_tree_patch
+from branchgym.envs.swebench.grading import (
+    GradeReport,
+    grade,
+    harness_files,
+    rejected_report,
+    working_tree_patch,
+)
+from branchgym.envs.swebench.limits import Limits
 from branchgym.envs.swebench.sandbox import WORKDIR, ExecResult, Sandbox, SandboxSnapshot
-from branchgym.envs.swebench.tasks import SWEBenchTask, ensure_checkout, load_tasks, parse_task
+from branchgym.envs.swebench.tasks import (
+    SWEBenchTask,
+    ensure_checkout,
+    load_tasks,
+    parse_task,
+    verify_checkout,
+)
 from branchgym.error import DataError, ResetNeededError, SandboxError, SnapshotCorruptError
 
 __all__ = [
@@ -164,6 +177,16 @@ class SWEBenchEnv(SnapshottableEnv[str, str]):
         max_layers: Overlay stacks deeper than this are squashed.
         suggested_actions: Commands to list in ``info["admissible_actions"]`` (for
             scripted agents and the fidelity checker; see :data:`PROBE_ACTIONS`).
+        limits: Per-command resource limits: a
+            :class:`~branchgym.envs.swebench.limits.Limits`, a dict of its fields
+            (``{"memory": "4GiB", "pids": 512}``) or None for the defaults (2 GiB memory,
+            256 processes, 300 CPU-seconds, 1 GiB writable layer, 256 MiB /tmp).
+        toolchain: Local backends: extra folders commands see read-only (a venv or conda
+            env with the repository's dependencies).
+        harness_guard: A submitted patch that adds or changes ``conftest.py``,
+            ``pytest.ini``, ``sitecustomize.py``, ``usercustomize.py`` or a ``.pth`` file
+            is graded "not resolved" (it could rewrite test outcomes). ``False`` grades
+            it as upstream SWE-bench does.
         render_mode: ``"ansi"`` returns the last observation from ``render()``.
     """
 
@@ -188,6 +211,9 @@ class SWEBenchEnv(SnapshottableEnv[str, str]):
         max_layers: int = 32,
         suggested_actions: Sequence[str] | None = None,
         render_mode: str | None = None,
+        limits: Any = None,
+        toolchain: Sequence[str | os.PathLike[str]] = (),
+        harness_guard: bool = True,
     ) -> None:
         """Load the tasks and start the backend (no sandbox exists before ``reset``)."""
         self.tasks, self.repos_dir = self._load(tasks, instance_ids, repos_dir)
@@ -203,7 +229,11 @@ class SWEBenchEnv(SnapshottableEnv[str, str]):
         self.suggested_actions = list(suggested_actions) if suggested_actions else None
         self.render_mode = render_mode
         self.backend_name = backend
-        self.backend = _make_backend(backend, isolation, docker_image, max_layers)
+        self.harness_guard = bool(harness_guard)
+        self.limits = Limits.of(limits)
+        self.backend = _make_backend(
+            backend, isolation, docker_image, max_layers, self.limits, tuple(toolchain)
+        )
         self.snapshot_kind = self.backend.kind  # type: ignore[misc]  # per instance
         self.observation_space = AnyText(max_length=10_000_000, charset=_CHARSET)
         self.action_space = ShellCommandSpace(self.max_command_chars)
@@ -315,6 +345,8 @@ class SWEBenchEnv(SnapshottableEnv[str, str]):
         res = self._run(action)
         self.last_obs = self._observe(res)
         self.last_info = self._info(exit_code=res.exit_code, timed_out=res.timed_out)
+        if res.limit:
+            self.last_info["limit"] = res.limit
         return self.last_obs, 0.0, False, False, dict(self.last_info)
 
     def _invalid(self, action: Any) -> str | None:
@@ -356,8 +388,12 @@ class SWEBenchEnv(SnapshottableEnv[str, str]):
         out = res.output
         key = f"\n{mark}\n".encode()
         cut = out.rfind(key)
-        if cut < 0 or res.timed_out:  # killed before reporting: the shell state stays
+        if cut < 0:  # killed before reporting: the shell state stays
             return res
+        if res.timed_out or res.limit.startswith(("memory", "CPU")):
+            # The EXIT trap may have reported while the command was being killed: the
+            # state is not trusted, and the report never reaches the observation.
+            return dataclasses.replace(res, output=out[:cut])
         tail = out[cut + len(key) :]
         cwd, _, env_blob = tail.partition(b"\n")
         env = {}
@@ -385,6 +421,17 @@ class SWEBenchEnv(SnapshottableEnv[str, str]):
             note += (
                 f"\n[the command timed out after {self.command_timeout:g} s and was killed; "
                 "the working directory and environment are unchanged]"
+            )
+        elif res.limit.startswith("process limit"):
+            note += f"\n[fork failed: {res.limit} reached; exit code {res.exit_code}]"
+        elif "quota" in res.limit:
+            note += f"\n[{res.limit} is full: writes fail with 'No space left on device']"
+            if res.exit_code != 0:
+                note += f"\n[exit code {res.exit_code}]"
+        elif res.limit:
+            note += (
+                f"\n[killed: {res.limit}; exit code {res.exit_code}; the working directory "
+                "and environment are unchanged]"
             )
         elif res.exit_code != 0:
             note += f"\n[exit code {res.exit_code}]"
@@ -417,7 +464,16 @@ class SWEBenchEnv(SnapshottableEnv[str, str]):
             raise ResetNeededError("call env.reset() first")
         if patch is None:
             patch = self.patch()
-        fresh = self.backend.create(self.task, self._checkout(self.task))
+        if self.harness_guard and (touched := harness_files(patch)):
+            return rejected_report(
+                self.task,
+                f"the patch changes the test harness ({', '.join(touched[:3])}), which could "
+                "rewrite test outcomes (harness_guard=False grades it as upstream does)",
+            )
+        checkout = self._checkout(self.task)
+        # Grading starts from the pristine checkout: refuse it if anything changed it.
+        verify_checkout(checkout)
+        fresh = self.backend.create(self.task, checkout)
         try:
             return grade(fresh, self.task, patch, timeout=self.grade_timeout)
         finally:
@@ -532,14 +588,23 @@ class SWEBenchEnv(SnapshottableEnv[str, str]):
         super().close()
 
 
-def _make_backend(name: str, isolation: str, docker_image: str | None, max_layers: int) -> Any:
+def _make_backend(
+    name: str,
+    isolation: str,
+    docker_image: str | None,
+    max_layers: int,
+    limits: Limits,
+    toolchain: tuple[str | os.PathLike[str], ...],
+) -> Any:
     if name in ("local", "overlay", "git"):
         from branchgym.envs.swebench.local import LocalBackend
 
         mode = {"local": "auto"}.get(name, name)
-        return LocalBackend(mode, isolation=isolation, max_layers=max_layers)
+        return LocalBackend(
+            mode, isolation=isolation, max_layers=max_layers, limits=limits, toolchain=toolchain
+        )
     from branchgym.envs.swebench.docker_backend import DockerBackend
 
     return DockerBackend(
-        snapshot_mode="git" if name == "docker-git" else "commit", image=docker_image
+        snapshot_mode="git" if name == "docker-git" else "commit", image=docker_image, limits=limits
     )

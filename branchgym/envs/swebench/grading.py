@@ -42,6 +42,9 @@ __all__ = [
     "grade",
     "run_eval",
     "working_tree_patch",
+    "harness_files",
+    "rejected_report",
+    "HARNESS_NAMES",
     "test_directives",
     "START_TEST_OUTPUT",
     "END_TEST_OUTPUT",
@@ -180,6 +183,7 @@ class GradeReport:
         status_map: Every test the log mentions, with its status.
         apply_log: Output of the patch application.
         test_log: Output of the test run (between the start and end markers).
+        rejected: Why the patch was refused without running (``harness_guard``), if it was.
     """
 
     instance_id: str
@@ -191,6 +195,7 @@ class GradeReport:
     status_map: dict[str, str]
     apply_log: str = ""
     test_log: str = ""
+    rejected: str = ""
 
     def to_swebench(self) -> dict[str, dict[str, Any]]:
         """The report in the shape of upstream's ``get_eval_report`` output."""
@@ -208,6 +213,8 @@ class GradeReport:
         """One line for observations: resolved or not, and the counts."""
         if not self.patch_exists:
             return "Not resolved: the working tree has no changes (empty patch)."
+        if self.rejected:
+            return f"Not resolved: {self.rejected}."
         if not self.patch_applied:
             return "Not resolved: the patch does not apply to the base commit."
         f, p = self.tests_status[FAIL_TO_PASS], self.tests_status[PASS_TO_PASS]
@@ -219,6 +226,45 @@ class GradeReport:
             return f"Resolved ({counts})."
         failing = (f["failure"] + p["failure"])[:5]
         return f"Not resolved ({counts}); failing: {', '.join(failing)}."
+
+
+#: File names a patch may not add or change under ``harness_guard``: pytest loads them
+#: (or Python runs them at start-up) before any test, so they can rewrite outcomes.
+HARNESS_NAMES = ("conftest.py", "pytest.ini", "sitecustomize.py", "usercustomize.py")
+
+
+def harness_files(patch: str) -> list[str]:
+    """Files of ``patch`` that belong to the test harness (see :data:`HARNESS_NAMES`, ``*.pth``)."""
+    out = []
+    for line in patch.splitlines():
+        if not line.startswith(("diff --git ", "+++ ", "--- ", "rename to ", "copy to ")):
+            continue
+        for word in line.split()[1:]:
+            name = word.rsplit("/", 1)[-1]
+            if (name in HARNESS_NAMES or name.endswith(".pth")) and word not in out:
+                path = word[2:] if word.startswith(("a/", "b/")) else word
+                if path not in out and path != "/dev/null":
+                    out.append(path)
+    return out
+
+
+def rejected_report(task: SWEBenchTask, reason: str) -> GradeReport:
+    """A "not resolved" report for a patch refused before it ran (``reason`` says why)."""
+    report = GradeReport(
+        task.instance_id,
+        True,
+        False,
+        False,
+        ResolvedStatus.NO,
+        {
+            FAIL_TO_PASS: {"success": [], "failure": list(task.fail_to_pass)},
+            PASS_TO_PASS: {"success": [], "failure": list(task.pass_to_pass)},
+        },  # fmt: skip
+        {},
+        apply_log=f"refused: {reason}",
+        rejected=reason,
+    )
+    return report
 
 
 def test_directives(task: SWEBenchTask) -> list[str]:

@@ -37,19 +37,23 @@ from __future__ import annotations
 import atexit
 import ctypes
 import ctypes.util
+import dataclasses
 import errno
 import itertools
 import os
 import shutil
+import signal
 import stat
 import subprocess
 import sys
+import tempfile
 import threading
 import uuid
 import weakref
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 
+from branchgym.envs.swebench.limits import Limits, cgroups
 from branchgym.envs.swebench.sandbox import (
     WORKDIR,
     ExecResult,
@@ -62,7 +66,7 @@ from branchgym.envs.swebench.sandbox import (
     tree_digest,
 )
 from branchgym.envs.swebench.tasks import cache_root
-from branchgym.error import SandboxError, SandboxUnavailableError
+from branchgym.error import SandboxConfigError, SandboxError, SandboxUnavailableError
 
 __all__ = [
     "wait_for_cleanup",
@@ -93,6 +97,30 @@ def _mount_overlay(target: Path, lowers: tuple[str, ...], upper: Path, work: Pat
     if _libc.mount(b"overlay", os.fsencode(target), b"overlay", 0, data) != 0:
         err = ctypes.get_errno()
         raise OSError(err, f"mount overlay on {target}: {os.strerror(err)}")
+
+
+_MS_RDONLY, _MS_NOSUID, _MS_NODEV, _MS_REMOUNT, _MS_MOVE = 1, 2, 4, 32, 8192
+
+
+def _mount_tmpfs(target: Path, size: int | None) -> None:
+    """A tmpfs of ``size`` bytes (None: the kernel's default, half of memory) at ``target``."""
+    opts = "mode=755" + (f",size={size}" if size is not None else "")
+    if (
+        _libc.mount(b"tmpfs", os.fsencode(target), b"tmpfs", _MS_NOSUID | _MS_NODEV, opts.encode())
+        != 0
+    ):
+        err = ctypes.get_errno()
+        raise OSError(err, f"mount tmpfs on {target}: {os.strerror(err)}")
+
+
+def _move_mount(source: Path, target: Path) -> None:
+    """Move the mount at ``source`` to ``target`` (the files stay where they are)."""
+    if _libc.mount(os.fsencode(source), os.fsencode(target), None, _MS_MOVE, None) != 0:
+        err = ctypes.get_errno()
+        raise OSError(err, f"move mount {source} -> {target}: {os.strerror(err)}")
+    # A frozen layer is never written again: make that a kernel guarantee.
+    flags = _MS_REMOUNT | _MS_RDONLY | _MS_NOSUID | _MS_NODEV
+    _libc.mount(b"tmpfs", os.fsencode(target), b"tmpfs", flags, None)
 
 
 def _umount(target: Path) -> None:
@@ -328,7 +356,19 @@ class _Store:
                         del self.refs[layer]
                         dead.append(layer)
         for layer in dead:
-            self.reaper.discard(layer)
+            self.drop_layer(layer)
+
+    def drop_layer(self, layer: str) -> None:
+        """Delete a frozen layer: ``<layers>/<id>/u`` on its own tmpfs, or a plain folder."""
+        root = Path(layer)
+        if root.parent != self.layers:
+            root = root.parent
+        if os.path.ismount(root):
+            try:
+                _umount(root)
+            except OSError:
+                pass
+        self.reaper.discard(root)
 
     def live_layers(self) -> int:
         with self.lock:
@@ -339,56 +379,108 @@ class _Store:
 
 
 def _hidden_paths() -> list[str]:
-    """Host folders commands must not see: the cache (gold patches) and the sandboxes."""
+    """Host folders commands must never see: the cache and the sandboxes' layers.
+
+    The cache holds gold patches and the pristine checkouts grading starts from. Neither
+    is bound; where a toolchain path contains one, a tmpfs covers it (commands have no
+    capability to unmount it).
+    """
     out = []
     for p in (cache_root(), work_root()):
         p = p.resolve() if p.exists() else p
-        if p.is_dir():
-            out.append(str(p))
+        out.append(str(p))
     return out
 
 
-_ROOT_ARGS: list[str] | None = None
+#: Top-level system folders bound read-only (or recreated as the same symlinks).
+_SYSTEM_DIRS = ("usr", "bin", "sbin", "lib", "lib32", "lib64", "libx32")
+
+#: Files and folders of /etc that programs need and that hold no secrets (the host's
+#: /etc also has shadow, ssh keys, ssl/private, passwords in config files: never bound).
+_ETC_ALLOW = (
+    "alternatives", "bash.bashrc", "debian_version", "host.conf", "hosts", "inputrc",
+    "ld.so.cache", "ld.so.conf", "ld.so.conf.d", "locale.alias", "localtime", "magic",
+    "magic.mime", "mime.types", "nsswitch.conf", "os-release", "profile", "protocols",
+    "python3", "python3.11", "python3.12", "python3.13", "services", "shells",
+    "terminfo", "timezone",
+)  # fmt: skip
+
+#: The uid and gid commands run as, inside their own user namespace (no capabilities).
+SANDBOX_UID = 1000
+
+_PASSWD = (
+    "root:x:0:0:root:/root:/usr/sbin/nologin\n"
+    f"agent:x:{SANDBOX_UID}:{SANDBOX_UID}:sandbox user:/tmp:/bin/bash\n"
+    "nobody:x:65534:65534:nobody:/nonexistent:/usr/sbin/nologin\n"
+)
+_GROUP = f"root:x:0:\nagent:x:{SANDBOX_UID}:\nnogroup:x:65534:\n"
 
 
-def _root_args() -> list[str]:
-    """Arguments for bubblewrap that show the host's top-level folders read-only."""
-    global _ROOT_ARGS
-    if _ROOT_ARGS is None:
-        args: list[str] = []
-        skip = {"proc", "dev", "tmp", "run", "testbed"}
-        for name in sorted(os.listdir("/")):
-            p = f"/{name}"
-            if name in skip:
-                continue
-            if os.path.islink(p):
-                args += ["--symlink", os.readlink(p), p]
-            elif os.path.isdir(p):
-                args += ["--ro-bind", p, p]
-        _ROOT_ARGS = args
-    return _ROOT_ARGS
+def _system_args(etc_dir: Path) -> list[str]:
+    """Bubblewrap arguments for the read-only system.
+
+    /usr (and its merged-/usr links), the allowed /etc entries, and a passwd/group that
+    name the sandbox user.
+    """
+    args: list[str] = []
+    for name in _SYSTEM_DIRS:
+        p = f"/{name}"
+        if os.path.islink(p):
+            args += ["--symlink", os.readlink(p), p]
+        elif os.path.isdir(p):
+            args += ["--ro-bind", p, p]
+    for name in _ETC_ALLOW:
+        p = f"/etc/{name}"
+        if os.path.lexists(p):
+            args += ["--ro-bind", p, p]
+    etc_dir.mkdir(parents=True, exist_ok=True)
+    for name, text in (("passwd", _PASSWD), ("group", _GROUP)):
+        f = etc_dir / name
+        if not f.exists():
+            f.write_text(text)
+        args += ["--ro-bind", str(f), f"/etc/{name}"]
+    return args
 
 
-def _interpreter_binds() -> list[str]:
-    """Show the running interpreter's environment if it lives under the private /tmp or /run.
+def interpreter_paths() -> list[str]:
+    """The running interpreter's installation (venv and base), outside /usr.
 
-    Commands (and grading) find pytest through the interpreter first on PATH; a virtual
-    environment created under /tmp (a clone in /tmp, say) would otherwise vanish behind
-    the sandbox's own /tmp.
+    Commands and grading run pytest with this interpreter; it is bound read-only at the
+    same paths (a venv's ``python`` links into its base installation).
     """
     out: list[str] = []
-    for p in dict.fromkeys((sys.prefix, sys.exec_prefix, sys.base_prefix)):
-        real = os.path.realpath(p)
-        for path in dict.fromkeys((p, real)):
-            if path.startswith(("/tmp/", "/run/")) and os.path.isdir(path):
-                out += ["--ro-bind", path, path]
+    for p in (sys.prefix, sys.exec_prefix, sys.base_prefix, sys.base_exec_prefix):
+        for path in (p, os.path.realpath(p)):
+            path = os.path.normpath(path)
+            if path == "/usr" or path.startswith("/usr/") or path == "/":
+                continue
+            if os.path.isdir(path) and path not in out:
+                out.append(path)
     return out
+
+
+def _covers(outer: str, inner: str) -> bool:
+    return inner == outer or inner.startswith(outer.rstrip("/") + "/")
 
 
 class _Runner:
-    """Runs ``bash -c`` with a host folder bound at ``/testbed``, isolated or not."""
+    """Runs ``bash -c`` with a host folder bound at ``/testbed``, isolated or not.
 
-    def __init__(self, isolation: str) -> None:
+    Isolated (bubblewrap): an unprivileged user namespace (uid 1000, every capability
+    dropped, so mount, umount and remount fail), no network, own PID/IPC/UTS namespaces
+    (nothing outlives a command), the system read-only, the toolchain read-only,
+    ``/testbed`` read-write, a private size-limited ``/tmp``, and nothing else of the
+    host: not its home folders, the project, the branchgym cache, ``repos_dir`` or task
+    files. Every command runs in its own memory and pids cgroups with :class:`Limits`.
+    """
+
+    def __init__(
+        self,
+        isolation: str,
+        limits: Limits | None = None,
+        toolchain: Sequence[str | os.PathLike[str]] = (),
+        etc_dir: Path | None = None,
+    ) -> None:
         if isolation not in ("auto", "bwrap", "none"):
             raise SandboxError(f"isolation must be 'auto', 'bwrap' or 'none', not {isolation!r}")
         if isolation in ("auto", "bwrap"):
@@ -401,12 +493,76 @@ class _Runner:
                 )
             isolation = "bwrap"
         self.isolation = isolation
+        self.limits = limits or Limits()
+        self.cgroups = cgroups()
+        self.toolchain = self._check_toolchain(list(map(os.fspath, toolchain)))
+        self.etc_dir = etc_dir or Path(tempfile.mkdtemp(prefix="branchgym-etc-"))
         # The interpreter running branchgym (with pytest) comes first on PATH.
         self.path = f"{os.path.dirname(sys.executable)}:" + default_env()["PATH"]
 
+    @staticmethod
+    def _check_toolchain(paths: list[str]) -> list[str]:
+        out: list[str] = []
+        home = os.path.realpath(os.path.expanduser("~"))
+        for p in paths:
+            real = os.path.realpath(p)
+            if not os.path.isdir(real):
+                raise SandboxConfigError(f"toolchain path {p!r} is not a folder")
+            if real in ("/", home, "/home", "/root", "/etc", "/var", "/tmp"):
+                raise SandboxConfigError(
+                    f"toolchain path {p!r} would show a whole system or home folder to the "
+                    "agent; name the toolchain's own folder (a venv or conda env)"
+                )
+            if real not in out:
+                out.append(real)
+        return out
+
+    def enforced(self) -> dict[str, str]:
+        """How each limit is enforced here (or why it is not)."""
+        lim = self.limits
+        cg = self.cgroups
+        out = {}
+        if lim.memory is not None:
+            out["memory"] = cg.reason if cg.available else f"RLIMIT_AS ({cg.reason})"
+        if lim.pids is not None:
+            out["pids"] = cg.reason if cg.available else f"not enforced ({cg.reason})"
+        if lim.cpu is not None:
+            out["cpu"] = "RLIMIT_CPU"
+        if lim.tmp is not None:
+            out["tmp"] = (
+                "tmpfs size" if self.isolation == "bwrap" else "not enforced (no isolation)"
+            )
+        return out
+
     def default_env(self) -> dict[str, str]:
-        # /tmp is private to each command under bubblewrap; HOME lives there.
-        return default_env(self.path, home="/tmp")
+        # /tmp is private to each command under bubblewrap; HOME lives there. branchgym's
+        # own pytest plugin is not importable inside (the project is not bound).
+        env = default_env(self.path, home="/tmp")
+        env["PYTEST_ADDOPTS"] = "-p no:branchgym"
+        return env
+
+    def _bwrap_argv(self, host_dir: Path) -> list[str]:
+        argv = ["bwrap", "--unshare-user", "--uid", str(SANDBOX_UID), "--gid", str(SANDBOX_UID)]
+        # No nested user namespaces either: no way back to capabilities, even over
+        # mounts of its own.
+        argv += ["--cap-drop", "ALL", "--disable-userns"]
+        argv += ["--die-with-parent", "--new-session", "--unshare-net"]
+        argv += ["--unshare-pid", "--unshare-ipc", "--unshare-uts", "--unshare-cgroup-try"]
+        argv += ["--hostname", "sandbox"]
+        argv += _system_args(self.etc_dir)
+        argv += ["--proc", "/proc", "--dev", "/dev"]
+        if self.limits.tmp is not None:
+            argv += ["--size", str(self.limits.tmp)]
+        argv += ["--tmpfs", "/tmp", "--tmpfs", "/run", "--symlink", "/tmp", "/var/tmp"]
+        # After the private /tmp, so an interpreter installed under /tmp stays visible.
+        toolchain = list(dict.fromkeys([*interpreter_paths(), *self.toolchain]))
+        for p in toolchain:
+            argv += ["--ro-bind", p, p]
+        for hidden in _hidden_paths():
+            if any(_covers(p, hidden) for p in toolchain):
+                argv += ["--tmpfs", hidden]
+        argv += ["--bind", str(host_dir), WORKDIR, "--chdir", WORKDIR]
+        return argv
 
     def run(
         self,
@@ -415,27 +571,65 @@ class _Runner:
         cwd: str,
         env: Mapping[str, str] | None,
         timeout: float | None,
+        disk_dir: Path | None = None,
     ) -> ExecResult:
         env = dict(self.default_env() if env is None else env)
+        group = self.cgroups.create(self.limits)
+        prefix = self.limits.ulimit_prefix(memory_rlimit=group is None)
+        full_before = disk_dir is not None and _nearly_full(disk_dir)
         if self.isolation == "none":
             # No /testbed without a mount namespace: the working directory maps to the
             # host folder (commands naming /testbed themselves will not find it).
             if cwd == WORKDIR or cwd.startswith(WORKDIR + "/"):
                 cwd = str(host_dir) + cwd[len(WORKDIR) :]
-            script = f"cd -- {_quote(cwd)} || exit 1\n{command}"
-            return run_captured(["bash", "-c", script], timeout=timeout, env=env, cwd=host_dir)
-        script = f"cd -- {_quote(cwd)} || exit 1\n{command}"
-        argv = ["bwrap", "--die-with-parent", "--new-session", "--unshare-net"]
-        argv += ["--unshare-pid", "--unshare-ipc", "--unshare-uts", "--hostname", "sandbox"]
-        argv += _root_args()
-        argv += ["--proc", "/proc", "--dev", "/dev", "--tmpfs", "/tmp", "--tmpfs", "/run"]
-        argv += _interpreter_binds()
-        for hidden in _hidden_paths():
-            if not hidden.startswith("/tmp/"):
-                argv += ["--tmpfs", hidden]
-        argv += ["--bind", str(host_dir), WORKDIR, "--chdir", WORKDIR, "--"]
-        argv += ["bash", "-c", script]
-        return run_captured(argv, timeout=timeout, env=env)
+            argv = ["bash", "-c", f"{prefix}cd -- {_quote(cwd)} || exit 1\n{command}"]
+        else:
+            script = f"{prefix}cd -- {_quote(cwd)} || exit 1\n{command}"
+            argv = [*self._bwrap_argv(host_dir), "--", "bash", "-c", script]
+        if group is not None:
+            argv = [*group.argv_prefix(), *argv]
+        try:
+            res = run_captured(
+                argv,
+                timeout=timeout,
+                env=env,
+                cwd=host_dir if self.isolation == "none" else None,
+                head_cap=self.limits.output,
+            )
+            hit = group.hit() if group is not None else {}
+        finally:
+            if group is not None:
+                group.close()
+        return dataclasses.replace(res, limit=self._limit_hit(res, hit, disk_dir, full_before))
+
+    def _limit_hit(
+        self, res: ExecResult, hit: Mapping[str, int], disk_dir: Path | None, full_before: bool
+    ) -> str:
+        lim = self.limits
+        if hit.get("oom_kill"):
+            return lim.describe("memory")
+        if res.exit_code == 128 + signal.SIGXCPU and lim.cpu is not None:
+            return lim.describe("cpu")
+        if hit.get("pids_max"):
+            return lim.describe("pids")
+        if lim.disk is not None:
+            enospc = b"No space left on device" in res.output
+            # Full now, and this command filled it (or ran into it): the quota is the news.
+            if disk_dir is not None and (enospc or not full_before) and _nearly_full(disk_dir):
+                return lim.describe("disk")
+            if res.exit_code == 128 + signal.SIGXFSZ or b"File size limit exceeded" in res.output:
+                return lim.describe("disk") + " (file size)"
+        if b"No space left on device" in res.output and lim.tmp is not None:
+            return lim.describe("tmp")
+        return ""
+
+
+def _nearly_full(path: Path) -> bool:
+    try:
+        st = os.statvfs(path)
+    except OSError:
+        return False
+    return st.f_bavail * st.f_frsize < max(st.f_blocks * st.f_frsize // 100, 1 << 16)
 
 
 def _quote(s: str) -> str:
@@ -550,7 +744,8 @@ def _remove(path: str) -> None:
 def _squash_into(target: str, layers_oldest_first: list[str]) -> None:
     """Merge frozen overlay layers into ``target``, keeping whiteouts and opaque dirs.
 
-    Files are hard-linked (frozen layers are never modified, so sharing inodes is safe).
+    Files are copied (layers live on tmpfs mounts of their own, so hard links cannot
+    cross them); symlinks and whiteouts are recreated.
     """
 
     def merge_dir(src: str, dst: str) -> None:
@@ -558,23 +753,25 @@ def _squash_into(target: str, layers_oldest_first: list[str]) -> None:
             s, d = entry.path, os.path.join(dst, entry.name)
             st = entry.stat(follow_symlinks=False)
             if stat.S_ISDIR(st.st_mode):
-                if _is_opaque(s):
-                    _remove(d)
-                    shutil.copytree(s, d, symlinks=True, copy_function=os.link)
-                    os.setxattr(d, "trusted.overlay.opaque", b"y", follow_symlinks=False)
-                    continue
-                if os.path.lexists(d) and not (os.path.isdir(d) and not os.path.islink(d)):
+                opaque = _is_opaque(s)
+                if opaque or (
+                    os.path.lexists(d) and not (os.path.isdir(d) and not os.path.islink(d))
+                ):
                     _remove(d)
                 if not os.path.lexists(d):
                     os.mkdir(d)
+                if opaque:
+                    os.setxattr(d, "trusted.overlay.opaque", b"y", follow_symlinks=False)
                 os.chmod(d, stat.S_IMODE(st.st_mode))
                 merge_dir(s, d)
             else:
                 _remove(d)
                 if _is_whiteout(st):
                     os.mknod(d, stat.S_IFCHR | 0o000, 0)
+                elif stat.S_ISLNK(st.st_mode):
+                    os.symlink(os.readlink(s), d)
                 else:
-                    os.link(s, d, follow_symlinks=False)
+                    shutil.copy2(s, d, follow_symlinks=False)
 
     os.mkdir(target)
     for layer in layers_oldest_first:
@@ -582,7 +779,13 @@ def _squash_into(target: str, layers_oldest_first: list[str]) -> None:
 
 
 class OverlaySandbox(_LocalSandbox):
-    """A repository in an overlayfs layer stack; see the module docstring."""
+    """A repository in an overlayfs layer stack; see the module docstring.
+
+    The writable (upper) layer is a tmpfs of ``disk`` bytes of its own, so a command
+    that fills it gets ENOSPC without touching the host's disk or other sandboxes. A
+    snapshot moves that tmpfs mount into the layer store (no data is copied), remounts
+    it read-only and mounts a fresh, empty tmpfs as the new upper layer.
+    """
 
     kind = "overlay"
     backend = "overlay"
@@ -602,14 +805,15 @@ class OverlaySandbox(_LocalSandbox):
                 raise SandboxError(f"overlay layer paths cannot contain ',' or ':': {layer}")
         self.max_layers = max_layers
         self.dir = store.boxes / store.new_id()
-        self.upper, self.work, self.merged = self.dir / "u", self.dir / "w", self.dir / "m"
-        for d in (self.upper, self.work, self.merged):
+        self.rw, self.merged = self.dir / "rw", self.dir / "m"
+        self.upper, self.work = self.rw / "u", self.rw / "w"
+        for d in (self.rw, self.merged):
             d.mkdir(parents=True)
         self.stack: tuple[str, ...] = ()
-        self._mounted = False
-        state = {"stack": (), "mounted": False}
+        state = {"stack": (), "mounted": False, "rw": False}
         self._state = state  # shared with the finalizer, which must not refer to self
         self._finalizer = weakref.finalize(self, _overlay_cleanup, store, self.dir, state)
+        self._new_rw()
         self._mount(stack)
 
     @property
@@ -617,7 +821,26 @@ class OverlaySandbox(_LocalSandbox):
         """The merged mount."""
         return self.merged
 
+    def exec(
+        self,
+        command: str,
+        *,
+        cwd: str = WORKDIR,
+        env: Mapping[str, str] | None = None,
+        timeout: float | None = 60.0,
+    ) -> ExecResult:
+        """Run ``bash -c command`` in the sandbox (the writable layer's quota is checked)."""
+        self._check_open()
+        return self.runner.run(self.host_dir, command, cwd, env, timeout, disk_dir=self.rw)
+
     # -- mount management --------------------------------------------------------
+    def _new_rw(self) -> None:
+        """An empty tmpfs (the disk quota) at ``rw`` holding the upper and work folders."""
+        _mount_tmpfs(self.rw, self.runner.limits.disk)
+        self._state["rw"] = True
+        self.upper.mkdir()
+        self.work.mkdir()
+
     def _mount(self, stack: tuple[str, ...]) -> None:
         self.store.acquire(stack)
         try:
@@ -639,9 +862,11 @@ class OverlaySandbox(_LocalSandbox):
             return next(it, None) is None
 
     def _fresh_upper(self) -> None:
+        """Throw the upper layer away: unmount its tmpfs and mount an empty one."""
         if not self._upper_empty():
-            self.store.reaper.discard(self.upper)
-            self.upper.mkdir()
+            _umount(self.rw)
+            self._state["rw"] = False
+            self._new_rw()
 
     # -- the protocol ----------------------------------------------------------------
     def snapshot(self) -> OverlaySnapshot:
@@ -650,14 +875,17 @@ class OverlaySandbox(_LocalSandbox):
         if self._upper_empty():  # nothing changed since the last freeze: share the stack
             return OverlaySnapshot(self.store, self.stack, None)
         self._unmount()
-        layer = self.store.new_layer()
-        os.rename(self.upper, layer)
-        self.upper.mkdir()
+        layer_root = self.store.new_layer()
+        layer_root.mkdir()
+        _move_mount(self.rw, layer_root)
+        self._state["rw"] = False
+        self._new_rw()
+        layer = layer_root / "u"
         stack = (str(layer), *self.stack)
-        top = str(layer)
+        top: str | None = str(layer)
         if len(stack) - 1 > self.max_layers or len(":".join(stack)) > 3000:
             stack, top = self._squash(stack), None
-            self.store.reaper.discard(layer)  # merged into the squashed layer; no holder
+            self.store.drop_layer(str(layer))  # merged into the squashed layer; no holder
         snap = OverlaySnapshot(self.store, stack, top)
         self._mount(stack)
         return snap
@@ -714,12 +942,13 @@ class OverlaySandbox(_LocalSandbox):
 
 
 def _overlay_cleanup(store: _Store, box: Path, state: dict) -> None:
-    if state["mounted"]:
-        try:
-            _umount(box / "m")
-        except OSError:
-            pass
-        state["mounted"] = False
+    for flag, sub in (("mounted", "m"), ("rw", "rw")):
+        if state[flag]:
+            try:
+                _umount(box / sub)
+            except OSError:
+                pass
+            state[flag] = False
     store.reaper.discard(box)
     store.release(state["stack"])
     state["stack"] = ()
@@ -1024,6 +1253,8 @@ class LocalBackend:
         isolation: str = "auto",
         root: str | os.PathLike[str] | None = None,
         max_layers: int = 32,
+        limits: Limits | Mapping[str, object] | None = None,
+        toolchain: Sequence[str | os.PathLike[str]] = (),
     ) -> None:
         """Pick the mode (probing overlayfs once) and check isolation is possible."""
         if mode not in ("auto", "overlay", "git"):
@@ -1037,7 +1268,8 @@ class LocalBackend:
             )
         self.mode = mode if mode != "auto" else ("overlay" if ok else "git")
         self.reason = why if self.mode == "overlay" else f"git trees: {why}"
-        self.runner = _Runner(isolation)
+        self.limits = Limits.of(limits)  # type: ignore[arg-type]
+        self.runner = _Runner(isolation, self.limits, toolchain, etc_dir=self.store.root / "etc")
         self.max_layers = max_layers
 
     @property
@@ -1048,6 +1280,15 @@ class LocalBackend:
     def default_env(self) -> dict[str, str]:
         """The environment a new shell starts with."""
         return self.runner.default_env()
+
+    def enforced_limits(self) -> dict[str, str]:
+        """Each limit in force and what enforces it (or why it is not enforced)."""
+        out = self.runner.enforced()
+        if self.limits.disk is not None:
+            out["disk"] = (
+                "tmpfs writable layer" if self.mode == "overlay" else "RLIMIT_FSIZE (per file only)"
+            )
+        return out
 
     def create(self, task: object, checkout: Path) -> Sandbox:
         """A sandbox whose /testbed starts as ``checkout`` (never modified)."""

@@ -60,6 +60,7 @@ class ExecResult:
         timed_out: The command ran past its timeout and was killed.
         dropped: Bytes dropped from the middle of an output larger than the capture cap.
         seconds: Wall-clock duration.
+        limit: The resource limit the command hit (``"memory limit 2 GiB"``), if any.
     """
 
     output: bytes
@@ -67,6 +68,7 @@ class ExecResult:
     timed_out: bool = False
     dropped: int = 0
     seconds: float = 0.0
+    limit: str = ""
 
     @property
     def text(self) -> str:
@@ -337,6 +339,7 @@ def run_captured(
     env: Mapping[str, str] | None = None,
     cwd: str | Path | None = None,
     stdin: bytes | None = None,
+    head_cap: int = CAPTURE_HEAD,
 ) -> ExecResult:
     """Run ``argv`` with stdout+stderr captured (head and tail kept past the cap).
 
@@ -382,8 +385,8 @@ def run_captured(
             chunk = os.read(fd, 1 << 16)
             if not chunk:
                 break
-            if len(head) < CAPTURE_HEAD:
-                take = CAPTURE_HEAD - len(head)
+            if len(head) < head_cap:
+                take = head_cap - len(head)
                 head += chunk[:take]
                 chunk = chunk[take:]
             if chunk:

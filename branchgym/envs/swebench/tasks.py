@@ -25,6 +25,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from branchgym.envs.swebench.sandbox import tree_digest
 from branchgym.error import DataError
 
 __all__ = [
@@ -34,6 +35,7 @@ __all__ = [
     "cache_root",
     "find_repo",
     "ensure_checkout",
+    "verify_checkout",
     "DEFAULT_TEST_CMD",
     "REQUIRED_FIELDS",
 ]
@@ -355,5 +357,40 @@ def ensure_checkout(task: SWEBenchTask, repos_dir: str | os.PathLike[str]) -> Pa
                 _git("update-ref", "-d", ref, cwd=repo)
         _git("reflog", "expire", "--expire=now", "--all", cwd=repo)
         _git("gc", "-q", "--prune=now", cwd=repo)
+        (dest / _DIGEST).write_text(tree_digest(repo) + "\n")
         (dest / ".branchgym-ready").write_text(task.base_commit + "\n")
     return dest / "repo"
+
+
+_DIGEST = ".branchgym-digest"
+
+
+def verify_checkout(checkout: str | os.PathLike[str]) -> str:
+    """Check that a cached checkout is exactly as :func:`ensure_checkout` made it.
+
+    Grading starts from this checkout; a changed file there (a planted ``conftest.py``,
+    an edited test) would change every later grade. Sandboxes never see the cache, so a
+    mismatch means something outside branchgym wrote to it.
+
+    Returns:
+        The checkout's tree digest.
+
+    Raises:
+        SandboxError: the digest differs from the one recorded at creation.
+    """
+    from branchgym.error import SandboxError
+
+    repo = Path(checkout)
+    record = repo.parent / _DIGEST
+    actual = tree_digest(repo)
+    if not record.exists():  # a checkout cached before digests were recorded
+        record.write_text(actual + "\n")
+        return actual
+    expected = record.read_text().strip()
+    if actual != expected:
+        raise SandboxError(
+            f"the pristine checkout {repo} changed since it was made (tree digest {actual} != "
+            f"{expected}): something wrote to the branchgym cache. Grading refuses to run on it; "
+            f"delete {repo.parent} and it is rebuilt from repos_dir on the next reset."
+        )
+    return actual
