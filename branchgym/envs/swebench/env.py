@@ -566,6 +566,10 @@ class SWEBenchEnv(SnapshottableEnv[str, str]):
             self._rng_state(),
         )
 
+    def enforced_limits(self) -> dict[str, str]:
+        """Each resource limit in force and what enforces it on this machine (or why not)."""
+        return dict(self.backend.enforced_limits())
+
     def live_resources(self) -> dict[str, int]:
         """Unreleased snapshots this env took (each owns layers, trees or an image)."""
         return {"snapshots": sum(1 for s in list(self._snaps) if not s.released)}

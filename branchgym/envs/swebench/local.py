@@ -2,15 +2,16 @@
 
 **Overlay** (:class:`OverlaySandbox`, snapshot kind ``overlay``). The repository checkout
 is the bottom, read-only layer. A sandbox is an overlay mount of a fresh upper directory
-over a stack of frozen layers. ``snapshot()`` unmounts, renames the upper directory into a
-new frozen layer (a rename: no data is copied) and remounts with an empty upper on top;
-``restore()`` remounts over the snapshot's stack with an empty upper; ``fork()`` mounts a
-new upper over the same stack. Cost is a few system calls plus, on restore, deleting the
-discarded changes: independent of repository size. Layers are reference-counted
-(snapshots and live mounts hold them) and deleted with their last holder. Stacks deeper
-than ``max_layers`` are squashed (the frozen layers above the checkout are merged,
-whiteouts and opaque directories kept), so the kernel's layer and option-length limits
-are never reached.
+(on a tmpfs of its own, sized by the disk quota) over a stack of frozen layers.
+``snapshot()`` unmounts, moves the upper layer's tmpfs mount into the layer store (no data
+is copied), remounts it read-only as a new frozen layer and mounts again with a fresh,
+empty tmpfs on top; ``restore()`` remounts over the snapshot's stack with a fresh upper
+(the discarded changes go with their tmpfs); ``fork()`` mounts a new upper over the same
+stack. Cost is a few system calls, independent of repository size. Layers are
+reference-counted (snapshots and live mounts hold them) and deleted with their last
+holder. Stacks deeper than ``max_layers`` are squashed (the frozen layers above the
+checkout are copied into one, whiteouts and opaque directories kept), so the kernel's
+layer and option-length limits are never reached.
 
 **Git** (:class:`GitSandbox`, kind ``git``), where mounting is not allowed (no
 ``CAP_SYS_ADMIN``, or no overlayfs). The repository is a plain directory. A snapshot
@@ -26,10 +27,16 @@ restore keeps files created after the snapshot and loses untracked files from be
 hard-link copies (``cp -al``) share inodes with the live tree, so an in-place append
 (``echo >> f``) changes the snapshot too.
 
-Commands run under **bubblewrap**: the host system read-only, the repository bound at
-``/testbed`` read-write, a private ``/tmp``, no network (``--unshare-net``), their own PID
-namespace (nothing outlives a command), and the branchgym cache and sandbox folders
-hidden (they hold the tasks' gold patches).
+Commands run under **bubblewrap** with least privilege: uid 1000 in a user namespace of
+their own with every capability dropped and no nested user namespaces (mount, umount and
+remount fail), no network (``--unshare-net``), their own PID namespace (nothing outlives a
+command), only ``/usr``, a list of ``/etc`` files without secrets, the toolchain (the
+interpreter's installation) read-only, the repository at ``/testbed`` read-write and a
+private size-limited ``/tmp``. The host's home folders, the project, the branchgym cache
+(gold patches, pristine checkouts), ``repos_dir`` and the sandbox store are not in the
+sandbox at all. Each command runs in memory and pids cgroups of its own, with CPU-time and
+file-size rlimits (:mod:`~branchgym.envs.swebench.limits`); an overlay sandbox's upper
+layer is a tmpfs of the disk quota. The threat model is in docs/swebench.md.
 """
 
 from __future__ import annotations
