@@ -91,8 +91,12 @@ def _mutate(sb: Any, n: int, tag: str) -> None:
 
 
 def _measure(sb: Any, n: int, repeats: int) -> dict[str, Any]:
-    snap_t, rest_t, fork_t, disk = [], [], [], []
+    snap_t, rest_t, fork_t, disk, cmd_t = [], [], [], [], []
     for r in range(repeats):
+        # What every agent step pays on top of the command: namespaces, cgroups, limits.
+        t0 = time.perf_counter()
+        sb.exec("true")
+        cmd_t.append(time.perf_counter() - t0)
         _mutate(sb, n, f"a{r}")
         t0 = time.perf_counter()
         snap = sb.snapshot()
@@ -111,6 +115,7 @@ def _measure(sb: Any, n: int, repeats: int) -> dict[str, Any]:
         "snapshot": Timing.of(snap_t),
         "restore": Timing.of(rest_t),
         "fork": Timing.of(fork_t),
+        "command": Timing.of(cmd_t),
         "disk": int(np.median(disk)),
     }
 
@@ -162,7 +167,7 @@ def section_swebench(report: Report, args: argparse.Namespace) -> None:
     rows, data = [], {}
     for name, family, factory, why in tqdm(_backends(args.quick), desc="swebench bench"):
         if factory is None:
-            rows.append([name, "-", "-", "-", "-", "-", "-", f"skipped: {why}"])
+            rows.append([name, "-", "-", "-", "-", "-", "-", "-", f"skipped: {why}"])
             continue
         backend = factory()
         sb = backend.create(task, repo)
@@ -182,6 +187,7 @@ def section_swebench(report: Report, args: argparse.Namespace) -> None:
                         f"{m['snapshot'].median_ms:.1f} / {m['snapshot'].p90_ms:.1f}",
                         f"{m['restore'].median_ms:.1f} / {m['restore'].p90_ms:.1f}",
                         f"{m['fork'].median_ms:.1f} / {m['fork'].p90_ms:.1f}",
+                        f"{m['command'].median_ms:.1f}",
                         f"{m['disk'] / 1e6:.2f}",
                         f"{SOURCE_MS / max(m['snapshot'].median_ms, 1e-3):.0f}x",
                         _verdict(family, m) + f" (pair {pair:.1f})",
@@ -196,12 +202,13 @@ def section_swebench(report: Report, args: argparse.Namespace) -> None:
         f"Before each snapshot the given number of files is appended to in place; then "
         f"snapshot, change them again, restore, fork (median / p90 ms over {repeats} "
         "repetitions; Docker rows 3). *Disk* is what one snapshot adds (its overlay "
-        "layer, new git objects or image layer). *vs source* is the source's 1,920 ms per "
-        "snapshot divided by ours. Targets: local snapshot+restore < 100 ms and fork < 50 ms; "
-        "Docker snapshot < 300 ms and fork < 1 s."
+        "layer, new git objects or image layer). *Command* is the median time of `true` in "
+        "the sandbox: what each agent step pays for isolation and limits. *vs source* is the "
+        "source's 1,920 ms per snapshot divided by ours. Targets: local snapshot+restore < "
+        "100 ms and fork < 50 ms; Docker snapshot < 300 ms and fork < 1 s."
     )
-    headers = ["backend", "files changed", "snapshot ms", "restore ms", "fork ms", "disk MB",
-               "vs source", "targets"]  # fmt: skip
+    headers = ["backend", "files changed", "snapshot ms", "restore ms", "fork ms",
+               "command ms", "disk MB", "vs source", "targets"]  # fmt: skip
     print(report.table(headers, rows))
     report.data["swebench_repo"] = data
     _section_tasks(report, args, repeats)
