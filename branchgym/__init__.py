@@ -22,6 +22,7 @@ from branchgym.core import (
 )
 from branchgym.envs import register_builtin_envs
 from branchgym.registration import BranchSpec, branch_spec, branch_specs, make, register
+from branchgym.serialization import register_snapshot_types
 
 __version__ = "0.1.0"
 
@@ -37,6 +38,7 @@ __all__ = [
     "live_snapshots",
     "make",
     "register",
+    "register_snapshot_types",
     "register_wrapper_state",
     "reseed",
     "restore",

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-import hashlib
 import pickle
 import threading
 import weakref
@@ -31,6 +30,7 @@ from typing import Any, ClassVar, Generic, TypeVar
 import gymnasium as gym
 import numpy as np
 
+from branchgym import serialization
 from branchgym.digest import stable_hash
 from branchgym.error import (
     SnapshotCorruptError,
@@ -38,6 +38,7 @@ from branchgym.error import (
     SnapshotNotPicklableError,
     SnapshotNotSupportedError,
     SnapshotReleasedError,
+    SnapshotUntrustedError,
     UnsnapshottableWrapperError,
 )
 
@@ -89,16 +90,21 @@ def _run_release(callback: Callable[[Any], None] | None, payload: Any) -> None:
         callback(payload)
 
 
-def _verify_bytes(blob: bytes, checksum: str) -> Any:
-    if hashlib.sha256(blob).hexdigest() != checksum:
-        raise SnapshotCorruptError(
-            "snapshot payload failed its checksum: the bytes were changed after the snapshot "
-            "was pickled. Take a new snapshot; do not edit or truncate stored snapshots."
+def _verify_bytes(blob: bytes, tag: bytes | None, key: bytes | None = None) -> Any:
+    """Load a payload that crossed a process boundary: signature first, then allowed types."""
+    if tag is not None and not serialization.verify(blob, tag, key):
+        raise SnapshotUntrustedError(
+            "snapshot payload failed its signature: the bytes were changed after the snapshot "
+            "was taken, or were signed with another run's key. Take a new snapshot; to move "
+            f"snapshots between runs or hosts, give both the same ${serialization.KEY_ENV}."
         )
     try:
-        return pickle.loads(blob)
-    except Exception as exc:  # pragma: no cover - checksum makes this unreachable in practice
-        raise SnapshotCorruptError(f"snapshot payload cannot be unpickled ({exc}).") from exc
+        with serialization.signing_key(key):  # nested snapshots carry the same key
+            return serialization.safe_loads(blob)
+    except SnapshotUntrustedError:
+        raise
+    except Exception as exc:
+        raise SnapshotCorruptError(f"snapshot payload cannot be loaded ({exc}).") from exc
 
 
 class Snapshot:
@@ -114,6 +120,8 @@ class Snapshot:
             (``state+fast``).
         picklable: Whether ``pickle.dumps`` works and the result restores in any
             instance built from the same spec, in any process.
+        foreign: The snapshot was rebuilt from bytes (another process, ``from_bytes``):
+            its payload loads through the restricted unpickler.
 
     Use it as a context manager, or call :meth:`release` as soon as its siblings are done:
     a snapshot may own external resources (overlay dirs, images, containers).
@@ -141,8 +149,11 @@ class Snapshot:
         self.kind = kind
         self.picklable = bool(picklable)
         self.meta: dict[str, Any] = dict(meta or {})
+        self.foreign = False
         self._payload = payload
-        self._blob: tuple[bytes, str] | None = None  # (bytes, sha256) after unpickling
+        # (bytes, signature or None once verified, key) of a payload that crossed a process
+        # boundary: loaded lazily, at first use of .payload.
+        self._blob: tuple[bytes, bytes | None, bytes | None] | None = None
         self._nbytes = nbytes
         self._released = False
         self._lock = threading.Lock()
@@ -186,8 +197,8 @@ class Snapshot:
                 "take a new snapshot, or release snapshots only after their last restore."
             )
         if self._blob is not None:
-            blob, checksum = self._blob
-            self._payload = _verify_bytes(blob, checksum)
+            blob, tag, key = self._blob
+            self._payload = _verify_bytes(blob, tag, key)
             self._blob = None
         return self._payload
 
@@ -219,42 +230,54 @@ class Snapshot:
                 f"a {self.kind!r} snapshot of {self.env_id} owns live resources and cannot be "
                 "pickled; restore it in this process, or use the env's portable snapshot mode."
             )
-        if self._blob is not None:
-            blob, checksum = self._blob
+        if self._blob is not None:  # its signature was checked when it was rebuilt
+            blob = self._blob[0]
         else:
             blob = pickle.dumps(self._payload, protocol=5)
-            checksum = hashlib.sha256(blob).hexdigest()
         header = (self.env_id, self.spec_hash, self.step, self.kind, self.meta)
-        return (_rebuild_snapshot, (type(self), header, blob, checksum))
+        # The payload is signed with the key in force (the run's): whoever loads it checks.
+        return (_rebuild_snapshot, (type(self), header, blob, serialization.sign(blob)))
 
     def to_bytes(self) -> bytes:
-        """Serialise (picklable snapshots only), with an integrity header."""
+        """Serialise (picklable snapshots only): signed with the run's key.
+
+        The bytes load only where the same key is in force (this run, its workers, or any
+        process given the same ``$BRANCHGYM_SNAPSHOT_KEY``), and only through the
+        restricted unpickler of :mod:`branchgym.serialization`.
+        """
         body = pickle.dumps(self, protocol=5)
-        return _MAGIC + hashlib.sha256(body).digest() + body
+        return _MAGIC + serialization.sign(body) + body
 
     @staticmethod
-    def from_bytes(data: bytes) -> Snapshot:
-        """Inverse of :meth:`to_bytes`; damaged bytes raise :class:`SnapshotCorruptError`."""
+    def from_bytes(data: bytes, *, key: bytes | None = None) -> Snapshot:
+        """Inverse of :meth:`to_bytes`. Nothing in the bytes runs.
+
+        Args:
+            data: The exact output of :meth:`to_bytes`.
+            key: The signing key of the run that made them (default: this run's).
+
+        Raises:
+            SnapshotCorruptError: not snapshot bytes, or damaged.
+            SnapshotUntrustedError: signed with another key, modified, or referencing a
+                type that is not allowed (see :func:`branchgym.register_snapshot_types`).
+        """
         if not isinstance(data, bytes | bytearray | memoryview):
             raise SnapshotCorruptError(
                 f"expected the bytes from Snapshot.to_bytes(), got {type(data).__name__}"
             )
         data = bytes(data)
+        if data.startswith(_MAGIC_V1):
+            raise SnapshotUntrustedError(
+                "these snapshot bytes are in the unsigned format of an older branchgym, which "
+                "could run code when loaded; take the snapshot again with this version."
+            )
         if not data.startswith(_MAGIC) or len(data) < len(_MAGIC) + 32:
             raise SnapshotCorruptError(
                 "these bytes are not a branchgym snapshot (bad header); pass the exact output "
                 "of Snapshot.to_bytes()."
             )
-        digest, body = data[len(_MAGIC) : len(_MAGIC) + 32], data[len(_MAGIC) + 32 :]
-        if hashlib.sha256(body).digest() != digest:
-            raise SnapshotCorruptError(
-                "snapshot bytes failed their checksum (truncated or modified); take a new "
-                "snapshot or restore from an intact copy."
-            )
-        try:
-            snap = pickle.loads(body)
-        except Exception as exc:
-            raise SnapshotCorruptError(f"snapshot bytes cannot be unpickled: {exc}") from exc
+        tag, body = data[len(_MAGIC) : len(_MAGIC) + 32], data[len(_MAGIC) + 32 :]
+        snap = _verify_bytes(body, tag, key)
         if not isinstance(snap, Snapshot):
             raise SnapshotCorruptError(f"bytes hold a {type(snap).__name__}, not a Snapshot")
         return snap
@@ -264,11 +287,26 @@ class Snapshot:
         return f"<Snapshot {self.env_id} step={self.step} kind={self.kind} {state}>"
 
 
-_MAGIC = b"BGSNAP1\x00"
+_MAGIC_V1 = b"BGSNAP1\x00"
+_MAGIC = b"BGSNAP2\x00"
 
 
-def _rebuild_snapshot(cls: type[Snapshot], header: tuple, blob: bytes, checksum: str) -> Snapshot:
-    env_id, spec_hash, step, kind, meta = header
+def _rebuild_snapshot(cls: type[Snapshot], header: tuple, blob: bytes, tag: bytes) -> Snapshot:
+    """Rebuild a snapshot that crossed a process boundary (its payload stays bytes)."""
+    if not (isinstance(cls, type) and issubclass(cls, Snapshot)):
+        raise SnapshotUntrustedError(f"snapshot bytes rebuild a {cls!r}, not a Snapshot class")
+    if not isinstance(blob, bytes) or not isinstance(tag, bytes):
+        raise SnapshotCorruptError("snapshot bytes have a malformed payload")
+    try:
+        env_id, spec_hash, step, kind, meta = header
+    except (TypeError, ValueError) as exc:
+        raise SnapshotCorruptError("snapshot bytes have a malformed header") from exc
+    key = serialization.current_key()
+    if not serialization.verify(blob, tag, key):
+        raise SnapshotUntrustedError(
+            "snapshot payload failed its signature: changed after it was taken, or signed "
+            f"with another run's key (give both runs the same ${serialization.KEY_ENV})."
+        )
     snap = cls.__new__(cls)
     Snapshot.__init__(
         snap,
@@ -281,7 +319,10 @@ def _rebuild_snapshot(cls: type[Snapshot], header: tuple, blob: bytes, checksum:
         nbytes=len(blob),
         meta=meta,
     )
-    snap._blob = (blob, checksum)  # verified lazily, at first use of .payload
+    # Signature checked; loaded (restricted unpickler) at first use of .payload. The key
+    # is kept for snapshots nested inside (a stack's inner snapshot).
+    snap._blob = (blob, None, None if key == serialization.run_key() else key)
+    snap.foreign = True
     return snap
 
 

@@ -17,6 +17,7 @@ __all__ = [
     "SnapshotReleasedError",
     "SnapshotMismatchError",
     "SnapshotCorruptError",
+    "SnapshotUntrustedError",
     "SnapshotNotPicklableError",
     "UnsnapshottableWrapperError",
     "ResetNeededError",
@@ -72,6 +73,10 @@ class SnapshotMismatchError(SnapshotError, ValueError):
 
 class SnapshotCorruptError(SnapshotError, ValueError):
     """A snapshot's bytes or payload are damaged and cannot be restored."""
+
+
+class SnapshotUntrustedError(SnapshotCorruptError):
+    """Snapshot bytes reference a type that is not allowed, or carry another key's signature."""
 
 
 class SnapshotNotPicklableError(SnapshotError, TypeError):

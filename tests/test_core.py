@@ -133,7 +133,7 @@ def test_bytes_round_trip_and_corruption(tree_env):
     assert other.state_digest() == tree_env.state_digest()
     flipped = bytearray(data)
     flipped[-5] ^= 0xFF
-    with pytest.raises(SnapshotCorruptError, match="checksum"):
+    with pytest.raises(SnapshotCorruptError, match="signature"):
         branchgym.Snapshot.from_bytes(bytes(flipped))
     with pytest.raises(SnapshotCorruptError, match="not a branchgym snapshot"):
         branchgym.Snapshot.from_bytes(b"garbage")
@@ -151,9 +151,9 @@ def test_corrupt_pickled_payload_raises_on_restore(tree_env):
     assert i > 0
     bad = bytearray(raw)
     bad[i + 5] ^= 0x01
-    restored = pickle.loads(bytes(bad))
-    with pytest.raises(SnapshotCorruptError, match="checksum"):
-        tree_env.unwrapped.restore(restored)
+    # Refused when the bytes are loaded: the payload's signature no longer matches.
+    with pytest.raises(SnapshotCorruptError, match="signature"):
+        tree_env.unwrapped.restore(pickle.loads(bytes(bad)))
 
 
 def test_malformed_payload_is_corrupt(tree_env):

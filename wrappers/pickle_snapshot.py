@@ -17,9 +17,15 @@ from typing import Any
 import gymnasium as gym
 from branchgym.wrappers._identity import stack_identity
 
+from branchgym import serialization
 from branchgym.core import Snapshot, SnapshotWrapper, _capture, _handler, _walk_wrappers
 from branchgym.digest import stable_hash
-from branchgym.error import ResetNeededError, SnapshotCorruptError, SnapshotMismatchError
+from branchgym.error import (
+    ResetNeededError,
+    SnapshotCorruptError,
+    SnapshotMismatchError,
+    SnapshotUntrustedError,
+)
 
 __all__ = ["PickleSnapshot"]
 
@@ -64,6 +70,7 @@ class PickleSnapshot(SnapshotWrapper, gym.utils.RecordConstructorArgs):
         self._exclude = frozenset(exclude)
         self._last: tuple[Any, dict[str, Any]] | None = None
         self._steps = 0
+        self._allowed: frozenset[tuple[str, str]] | None = None
 
     def reset(self, *, seed: int | None = None, options: dict[str, Any] | None = None):
         """Reset and remember the observation (restore returns the snapshot's observation)."""
@@ -103,6 +110,28 @@ class PickleSnapshot(SnapshotWrapper, gym.utils.RecordConstructorArgs):
             nbytes=len(blob),
         )
 
+    def _load_foreign(self, blob: bytes) -> Any:
+        """Load bytes that crossed a process boundary: only globals this env's own state uses.
+
+        The allowance is what pickling this instance's current state references (its
+        classes, its generators' constructors); learned once, and once more if a load needs
+        a type the state did not hold then (a reset can add some).
+        """
+        for attempt in (0, 1):
+            if self._allowed is None or attempt:
+                if self._last is None:
+                    self.env.reset()  # a state to learn the types from
+                    self._last = None
+                layers, base_state = self._state()
+                own = _dumps((layers, base_state, self._last, self._steps))
+                self._allowed = serialization.globals_of(own)
+            try:
+                return serialization.safe_loads(blob, self._allowed)
+            except SnapshotUntrustedError:
+                if attempt:
+                    raise
+        raise AssertionError("unreachable")  # pragma: no cover
+
     def restore(self, snapshot: Snapshot) -> tuple[Any, dict[str, Any]]:
         """Unpickle a fresh copy of the saved state into this stack."""
         if not isinstance(snapshot, Snapshot):
@@ -129,7 +158,13 @@ class PickleSnapshot(SnapshotWrapper, gym.utils.RecordConstructorArgs):
                 "new snapshot."
             )
         try:
-            layers, base_state, last, steps = pickle.loads(blob)
+            if snapshot.foreign:  # bytes from elsewhere: only the types this env holds load
+                loaded = self._load_foreign(blob)
+            else:  # the bytes this process pickled a moment ago
+                loaded = pickle.loads(blob)
+            layers, base_state, last, steps = loaded
+        except SnapshotUntrustedError:
+            raise
         except Exception as exc:
             raise SnapshotCorruptError(
                 f"PickleSnapshot payload cannot be unpickled: {exc}"

@@ -42,6 +42,7 @@ from branchgym.error import (
     SnapshotCorruptError,
     SnapshotMismatchError,
 )
+from branchgym.serialization import register_snapshot_types
 
 __all__ = ["ALFWorldEnv", "SNAPSHOT_MODES", "CHARSET"]
 
@@ -85,6 +86,10 @@ class _State:
         out["delta"] = self.portable_delta()
         out["capture"] = out["facts"] = out["static"] = None
         return out
+
+
+# Snapshot bytes may hold it (branchgym.serialization allows only registered types).
+register_snapshot_types(_State)
 
 
 class ALFWorldEnv(SnapshottableEnv[str, str]):

@@ -38,6 +38,7 @@ from branchgym.envs.webshop.actions import click_action, parse_action, search_ac
 from branchgym.envs.webshop.data import Catalog, load_catalog
 from branchgym.envs.webshop.reward import get_reward
 from branchgym.error import DataError, ResetNeededError, SnapshotCorruptError
+from branchgym.serialization import register_snapshot_types
 
 __all__ = ["WebShopEnv", "EpisodeState", "OBSERVATION_MODES", "TextSpace"]
 
@@ -85,6 +86,10 @@ class EpisodeState(NamedTuple):
     history: tuple[str, ...] = ()  # actions taken (as given; non-strings by repr)
     message: str | None = None  # invalid-action feedback shown above the page
     reward: float = 0.0  # reward of the purchase (done page)
+
+
+# Snapshot bytes may hold it (branchgym.serialization allows only registered types).
+register_snapshot_types(EpisodeState)
 
 
 class WebShopEnv(SnapshottableEnv[str, str]):
