@@ -99,7 +99,7 @@ def test_a_real_header_with_a_malicious_inner_payload_runs_nothing(marker, i):
     body = pickle.dumps(_Carrier(Snapshot, evil), protocol=5)
     snap = Snapshot.from_bytes(envelope(body))  # the header is fine: loads lazily
     with pytest.raises(SnapshotUntrustedError, match="not an allowed snapshot type"):
-        snap.payload
+        _ = snap.payload
     env = gym.make("branchgym/TreeMDP-v0")
     env.reset(seed=0)
     with pytest.raises(SnapshotCorruptError):
