@@ -55,10 +55,15 @@ def _docker_or_skip():
 
 @pytest.fixture(
     scope="module",
-    params=["overlay", "git", pytest.param("docker", marks=pytest.mark.docker)],
+    params=[
+        "overlay",
+        "git",
+        pytest.param("docker", marks=pytest.mark.docker),
+        pytest.param("docker-git", marks=pytest.mark.docker),
+    ],
 )
 def env(request):
-    if request.param == "docker":
+    if request.param.startswith("docker"):
         _docker_or_skip()
     e = gym.make(
         "branchgym/SWEBench-v0", backend=request.param, limits=LIMITS, command_timeout=20
@@ -282,7 +287,7 @@ def test_disk_fill_is_bounded(fresh):
         used = int(step(fresh, "du -sbc f*.bin | tail -1 | cut -f1")[0])
         assert used <= LIMITS.disk
         step(fresh, "rm -f f*.bin")
-    if backend_of(fresh) != "docker":  # the private /tmp has its own quota
+    if not backend_of(fresh).startswith("docker"):  # the private /tmp has its own quota
         obs, info = step(fresh, "head -c 100000000 /dev/zero > /tmp/fill; ls -s /tmp/fill")
         assert "No space left on device" in obs, obs
         assert "/tmp quota 16 MiB" in info.get("limit", ""), info

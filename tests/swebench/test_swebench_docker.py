@@ -146,8 +146,13 @@ def test_git_mode_restores_testbed_and_forks(docker_ready, task_by_name, checkou
         sb.exec("rm -rf bank keep.txt empty; echo later > later.txt; git commit -qam x || true")
         sb.restore(snap)
         assert sb.tree_digest() == digest
+        # Restored by root inside the container, the files still belong to the agent.
+        res = sb.exec("echo more >> keep.txt && touch bank/new.py && id -u")
+        assert res.exit_code == 0 and res.text.strip() == "1000", res.text
+        sb.restore(snap)
         child = sb.fork(snap)
         assert child.tree_digest() == digest
+        assert child.exec("echo more >> keep.txt").exit_code == 0
         child.close()
         snap.release()
     finally:

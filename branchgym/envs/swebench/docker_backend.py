@@ -280,6 +280,14 @@ else:
     for r, mode in now_special.items():
         if r not in special and os.path.exists(os.path.join("/testbed", r)):
             os.chmod(os.path.join("/testbed", r), 0o755 if mode & 0o100 else 0o644)
+    # read-tree ran as root: what it wrote belongs to root; give it back to the agent.
+    uid, _, gid = sys.argv[3].partition(":")
+    uid, gid = int(uid), int(gid or uid)
+    for top, ds, fs in os.walk("/testbed"):
+        for name in [top, *(os.path.join(top, n) for n in ds + fs)]:
+            st = os.lstat(name)
+            if (st.st_uid, st.st_gid) != (uid, gid):
+                os.lchown(name, uid, gid)
 """
 
 
@@ -518,7 +526,8 @@ class DockerSandbox(Sandbox):
         raise SandboxError(f"a {self.kind} sandbox cannot restore a {snap.kind} snapshot")
 
     def _git_restore(self, manifest_id: str) -> None:
-        res = self._exec(["python3", "-c", _GIT_SNAPSHOT, "restore", manifest_id], 600.0)
+        argv = ["python3", "-c", _GIT_SNAPSHOT, "restore", manifest_id, self.b.user]
+        res = self._exec(argv, 600.0)
         if res.exit_code != 0:
             raise SandboxError(f"in-container git restore failed: {res.text[-1000:]}")
 
