@@ -59,6 +59,7 @@ __all__ = [
     "EXECUTORS",
     "make_executor",
     "EnvWorker",
+    "DEFAULT_TIMEOUT",
 ]
 
 
@@ -137,6 +138,11 @@ def _describe(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {exc}{where}"
 
 
+#: Seconds one sandbox call may take on the thread, process and Ray executors unless told
+#: otherwise (a hung sandbox never hangs training). Pass ``timeout=None`` for no limit.
+DEFAULT_TIMEOUT = 600.0
+
+
 class _Timeout(BaseException):
     """Raised by SIGALRM inside an in-process call (BaseException: sandboxes catch Exception)."""
 
@@ -166,6 +172,10 @@ class EnvWorker:
         self.count: dict[str, int] = collections.defaultdict(int)
         self.sessions: dict[int, tuple[EnvSpec, gym.Env]] = {}
         self.snaps: dict[int, Snapshot] = {}
+        # Lost instances that still own snapshots other sessions may restore (a SWE-bench
+        # env releases its snapshots when closed): closed once they own none, or at
+        # shutdown.
+        self.retired: list[gym.Env] = []
         self._ids = itertools.count()
         self.lock = threading.Lock()
 
@@ -199,15 +209,26 @@ class EnvWorker:
         return env
 
     def _drop(self, session: int) -> None:
+        """Forget a session whose instance is in an unknown state (never reused)."""
         spec, env = self.sessions.pop(session, (None, None))
         if env is None:
             return
         with self.lock:
             self.count[spec.key] -= 1
-        try:
-            env.close()
-        except Exception:  # a broken sandbox may fail to close; it is gone either way
-            pass
+            self.retired.append(env)
+        self._close_retired()
+
+    def _close_retired(self, everything: bool = False) -> None:
+        with self.lock:
+            keep, close = [], []
+            for env in self.retired:
+                (close if everything or not _owns_snapshots(env) else keep).append(env)
+            self.retired = keep
+        for env in close:
+            try:
+                env.close()
+            except Exception:  # a broken sandbox may fail to close; it is gone either way
+                pass
 
     @staticmethod
     def _reseed(env: gym.Env, seed: int | None) -> None:
@@ -324,6 +345,7 @@ class EnvWorker:
         """Close every instance and release every snapshot."""
         for sid in list(self.sessions):
             self._drop(sid)
+        self._close_retired(everything=True)
         for snap in self.snaps.values():
             snap.release()
         self.snaps.clear()
@@ -332,6 +354,17 @@ class EnvWorker:
                 env.close()
         self.free.clear()
         return {}
+
+
+def _owns_snapshots(env: gym.Env) -> bool:
+    """Whether closing ``env`` would release snapshots it took (``live_resources()``)."""
+    resources = getattr(env.unwrapped, "live_resources", None)
+    if resources is None:
+        return False
+    try:
+        return bool(resources().get("snapshots", 0))
+    except Exception:
+        return False
 
 
 def _outcome(session: int, d: dict[str, Any]) -> Outcome:
@@ -543,13 +576,16 @@ class InProcessExecutor(Executor):
     Args:
         max_instances: Instances per spec (None: as many as sessions need). With 1,
             every sibling restores into the same instance: no extra memory, no pickling.
-        timeout: Per-call limit, enforced with ``SIGALRM`` when called from the main
-            thread (a sandbox stuck in C code may not notice it).
+        timeout: Per-call limit (default :data:`DEFAULT_TIMEOUT`), enforced with
+            ``SIGALRM`` when called from the main thread (a sandbox stuck in C code may not
+            notice it).
     """
 
     name = "inprocess"
 
-    def __init__(self, max_instances: int | None = None, timeout: float | None = None) -> None:
+    def __init__(
+        self, max_instances: int | None = None, timeout: float | None = DEFAULT_TIMEOUT
+    ) -> None:
         """One :class:`EnvWorker` in this process."""
         super().__init__(timeout)
         self.worker = EnvWorker(max_instances)
@@ -589,12 +625,89 @@ class InProcessExecutor(Executor):
         super().shutdown()
 
 
+class _DaemonPool:
+    """``n`` daemon threads running submitted calls.
+
+    A thread stuck past its call's deadline is abandoned and replaced, so capacity stays
+    ``n``, and being daemons they never block the interpreter's exit.
+    """
+
+    def __init__(self, n: int, prefix: str) -> None:
+        self.n, self.prefix = n, prefix
+        self.queue: collections.deque[tuple[futures.Future, Callable[[], Any]]] = (
+            collections.deque()
+        )
+        self.cond = threading.Condition()
+        self.idle = 0
+        self.threads = 0
+        self.closed = False
+        self._ids = itertools.count()
+
+    def submit(self, fn: Callable[[], Any]) -> futures.Future:
+        fut: futures.Future = futures.Future()
+        with self.cond:
+            if self.closed:
+                raise ExecutorError("this executor was shut down; create a new one")
+            self.queue.append((fut, fn))
+            if self.idle == 0 and self.threads < self.n:
+                self._spawn()
+            self.cond.notify()
+        return fut
+
+    def _spawn(self) -> None:
+        self.threads += 1
+        t = threading.Thread(
+            target=self._loop, name=f"{self.prefix}-{next(self._ids)}", daemon=True
+        )
+        t.start()
+
+    def abandon(self) -> None:
+        """A thread is stuck in a timed-out call: stop counting it, start a replacement."""
+        with self.cond:
+            self.threads -= 1
+            if self.queue and self.idle == 0 and self.threads < self.n and not self.closed:
+                self._spawn()
+
+    def _loop(self) -> None:
+        me = threading.current_thread()
+        while True:
+            with self.cond:
+                self.idle += 1
+                while not self.queue and not self.closed:
+                    self.cond.wait()
+                self.idle -= 1
+                if self.closed and not self.queue:
+                    self.threads -= 1
+                    return
+                fut, fn = self.queue.popleft()
+            if not fut.set_running_or_notify_cancel():
+                continue
+            me.branchgym_future = fut  # type: ignore[attr-defined]
+            try:
+                fut.set_result(fn())
+            except BaseException as exc:  # reported in the call's outcome
+                fut.set_exception(exc)
+            if getattr(fut, "abandoned", False):
+                return  # timed out: a replacement thread took this one's place
+
+    def shutdown(self) -> None:
+        with self.cond:
+            self.closed = True
+            for fut, _ in self.queue:
+                fut.cancel()
+            self.queue.clear()
+            self.cond.notify_all()
+
+
 class ThreadExecutor(InProcessExecutor):
     """Instances in this process; calls on ``n_workers`` threads.
 
-    For sandboxes that release the GIL (containers, subprocesses, network). A call that
-    times out is reported and its session abandoned; Python cannot stop the thread, so
-    its instance is never reused.
+    For sandboxes that release the GIL (containers, subprocesses, network). A call's
+    timeout counts from when it is queued, so it fires even when every thread is stuck.
+    A timed-out call is reported and its session abandoned: Python cannot stop the
+    thread, so its instance is never reused (and no longer counted against
+    ``max_instances``), and a fresh thread takes its place. Threads are daemons: a stuck
+    sandbox never blocks the interpreter's exit.
     """
 
     name = "thread"
@@ -603,14 +716,14 @@ class ThreadExecutor(InProcessExecutor):
         self,
         n_workers: int = 4,
         max_instances: int | None = None,
-        timeout: float | None = None,
+        timeout: float | None = DEFAULT_TIMEOUT,
     ) -> None:
         """Start the thread pool."""
         super().__init__(max_instances, timeout)
         if n_workers < 1:
             raise ExecutorError(f"n_workers must be >= 1, got {n_workers}")
         self.n_workers = n_workers
-        self.pool = futures.ThreadPoolExecutor(n_workers, thread_name_prefix="branchgym-env")
+        self.pool = _DaemonPool(n_workers, "branchgym-env")
 
     @property
     def parallelism(self) -> int:
@@ -618,40 +731,46 @@ class ThreadExecutor(InProcessExecutor):
         return self.n_workers
 
     def _run(self, calls: list[_Call]) -> list[dict[str, Any]]:
-        started: dict[int, float] = {}
-
-        def run(i: int, call: _Call) -> dict[str, Any]:
-            started[i] = time.monotonic()
-            return self.worker.call(call.op, call.session, call.args)
-
-        futs = {self.pool.submit(run, i, c): i for i, c in enumerate(calls)}
+        queued = time.monotonic()
+        futs = {
+            self.pool.submit(lambda c=c: self.worker.call(c.op, c.session, c.args)): i
+            for i, c in enumerate(calls)
+        }
         results: list[dict[str, Any] | None] = [None] * len(calls)
         pending = set(futs)
         while pending:
-            done, pending = futures.wait(
-                pending,
-                timeout=None if self.timeout is None else 0.05,
-                return_when=futures.FIRST_COMPLETED,
-            )
+            wait = None
+            if self.timeout is not None:
+                wait = max(0.0, queued + self.timeout - time.monotonic())
+            done, pending = futures.wait(pending, timeout=wait, return_when=futures.FIRST_COMPLETED)
             for f in done:
                 results[futs[f]] = f.result()
-            if self.timeout is not None:
-                now = time.monotonic()
-                for f in list(pending):
+            if self.timeout is not None and time.monotonic() >= queued + self.timeout:
+                for f in pending:
                     i = futs[f]
-                    if i in started and now - started[i] > self.timeout:
-                        pending.discard(f)
-                        # the thread keeps running; forget its instance for good
-                        self.worker.sessions.pop(calls[i].session, None)
-                        results[i] = {
-                            "error": f"timeout: the sandbox call ran past {self.timeout} s"
-                        }
+                    if not f.cancel():  # running: its thread is stuck, replace it
+                        f.abandoned = True  # type: ignore[attr-defined]
+                        self.pool.abandon()
+                    self._abandon_session(calls[i].session)
+                    results[i] = {
+                        "error": f"timeout: the sandbox call ran past {self.timeout} s "
+                        "(counted from when it was queued)"
+                    }
+                pending = set()
         return results  # type: ignore[return-value]
+
+    def _abandon_session(self, session: int) -> None:
+        """Forget a timed-out session's instance for good, and free its slot in the pool."""
+        w = self.worker
+        spec, env = w.sessions.pop(session, (None, None))
+        if spec is not None:
+            with w.lock:
+                w.count[spec.key] -= 1
 
     def shutdown(self) -> None:
         """Stop the threads and close every instance."""
         if not self._closed:
-            self.pool.shutdown(wait=False, cancel_futures=True)
+            self.pool.shutdown()
         super().shutdown()
 
 
@@ -774,11 +893,29 @@ class _RemoteExecutor(Executor):
         return LiveSnapshots(count, nbytes)
 
 
+def _watch_parent(period: float = 0.5) -> None:
+    """Exit this worker when its driver is gone, even while a sandbox call is stuck.
+
+    A daemon thread polls the parent pid: a driver killed with SIGKILL never closes the
+    pipe's other end cleanly, and a worker stuck in a sandbox call would never read it.
+    """
+    parent = os.getppid()
+
+    def watch() -> None:
+        while True:
+            time.sleep(period)
+            if os.getppid() != parent:  # re-parented: the driver died
+                os._exit(70)
+
+    threading.Thread(target=watch, name="branchgym-orphan-watch", daemon=True).start()
+
+
 def _worker_main(conn: Any, max_instances: int | None) -> None:
     """Loop of a :class:`ProcessExecutor` worker: calls in, results out, in order."""
     import cloudpickle
 
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the driver decides when workers stop
+    _watch_parent()
     worker = EnvWorker(max_instances, remote=True)
     conn.send_bytes(b"ready")  # timeouts count from here, not from the spawn
     while True:
@@ -816,7 +953,7 @@ class ProcessExecutor(_RemoteExecutor):
         self,
         n_workers: int = 2,
         max_instances: int | None = None,
-        timeout: float | None = None,
+        timeout: float | None = DEFAULT_TIMEOUT,
         start_method: str = "spawn",
         sessions_per_worker: int = 1,
     ) -> None:
@@ -920,7 +1057,7 @@ class RayExecutor(_RemoteExecutor):
         self,
         n_workers: int = 2,
         max_instances: int | None = None,
-        timeout: float | None = None,
+        timeout: float | None = DEFAULT_TIMEOUT,
         actor_options: dict[str, Any] | None = None,
         sessions_per_worker: int = 1,
     ) -> None:

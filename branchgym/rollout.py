@@ -174,18 +174,26 @@ class _Engine:
     def advance(
         self,
         lines: list[_Line],
-        refill: Callable[[int], list[_Line]] | None = None,
+        refill: Callable[[int], list[_Line] | None] | None = None,
         capacity: int | None = None,
         bar: tqdm | None = None,
     ) -> list[_Line]:
-        """Play lines to termination; ``refill(n)`` starts up to n more as lines end."""
+        """Play lines to termination; ``refill(n)`` starts up to n more as lines end.
+
+        ``refill`` returns the lines it started (possibly none, when every start failed:
+        each failure is recorded in the tree) or None once nothing is left to start. It
+        is called until the room is full or it returns None, so a run of failed restores
+        never ends the tree while siblings are still waiting.
+        """
         finished: list[_Line] = []
         active = list(lines)
         while True:
             if refill is not None:
-                room = (capacity or 1 << 30) - len(active)
-                if room > 0:
-                    active.extend(refill(room))
+                while (room := (capacity or 1 << 30) - len(active)) > 0:
+                    started = refill(room)
+                    if started is None:
+                        break
+                    active.extend(started)
             if not active:
                 break
             snap_now = [ln for ln in active if ln.snapshot_each]
@@ -482,12 +490,12 @@ def _run_siblings(
     rollout_ids = iter(range(1, 1 << 30))
     contexts: dict[int, Context] = {}
 
-    def refill(room: int) -> list[_Line]:
+    def refill(room: int) -> list[_Line] | None:
         starts = []
         while pending and len(starts) < room:
             starts.append(pending.popleft())
         if not starts:
-            return []
+            return None
         reseeds = [int(eng.rng.integers(2**63)) if env_noise == "fresh" else None for _ in starts]
         outs = ex.restore(
             [eng.spec] * len(starts), [refs[f.step] for f, _ in starts], reseeds=reseeds
@@ -565,10 +573,10 @@ def group_rollouts(
     todo = collections.deque(range(n))
     capacity = max_concurrent or ex.capacity
 
-    def refill(room: int) -> list[_Line]:
+    def refill(room: int) -> list[_Line] | None:
         starts = [todo.popleft() for _ in range(min(room, len(todo)))]
         if not starts:
-            return []
+            return None
         reseeds = [
             None if (i == 0 or env_noise == "shared") else int(rng.integers(2**63)) for i in starts
         ]

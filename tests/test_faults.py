@@ -1,0 +1,202 @@
+"""Fault injection: sandboxes that fail to restore, hang for good, or own their snapshots.
+
+Every scheduled sibling either runs or is recorded with why it did not; a hung sandbox
+never hangs the tree, the executor or the interpreter's exit; a killed driver takes its
+stuck workers with it.
+"""
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import cloudpickle
+import gymnasium as gym
+import pytest
+from branchgym.agents.policy import TextPolicy
+
+import branchgym
+from branchgym.envs.toy.text_tree_mdp import TextTreeMDP
+from branchgym.executors import EnvSpec, InProcessExecutor, ProcessExecutor, ThreadExecutor
+from branchgym.rollout import grow_tree
+
+cloudpickle.register_pickle_by_value(sys.modules[__name__])
+
+STEPS = {"gap_unit": "steps"}
+TEXT = EnvSpec("branchgym/TextTreeMDP-v0")
+
+
+class Faulty(TextTreeMDP):
+    """A maze whose restored copies (the siblings) fail as ``mode`` says."""
+
+    default_env_id = "test/Faulty-v0"
+
+    def __init__(self, mode="restore", **kwargs):
+        super().__init__(**kwargs)
+        self.mode = mode
+        self.armed = False
+
+    def _set_state(self, state):
+        self.armed = True
+        if self.mode == "restore":
+            raise RuntimeError("restore failed: the sandbox image is gone")
+        return super()._set_state(state)
+
+    def step(self, action):
+        if self.armed and self.mode == "forever":
+            time.sleep(30)
+        if self.armed and self.mode == "crash" and action == "go south":
+            raise RuntimeError("sandbox crashed")
+        return super().step(action)
+
+
+class Owner(Faulty):
+    """Like a SWE-bench env: closing it releases every snapshot it took."""
+
+    def __init__(self, **kwargs):
+        super().__init__(mode="crash", **kwargs)
+        self.taken = []
+
+    def snapshot(self):
+        snap = super().snapshot()
+        self.taken.append(snap)
+        return snap
+
+    def live_resources(self):
+        return {"snapshots": sum(1 for s in self.taken if not s.released)}
+
+    def close(self):
+        for s in self.taken:
+            s.release()
+        super().close()
+
+
+def spec_of(cls, **kw):
+    def make():
+        return branchgym.core.SnapshotAPI(gym.wrappers.TimeLimit(cls(**kw), 20))
+
+    return EnvSpec(f"{cls.__name__}-{kw}", factory=make)
+
+
+def grow(spec, executor, **kw):
+    kw = {"m": 2, "k": 4, "seed": 0, "rng": 3, "schedule_options": STEPS, **kw}
+    return grow_tree(spec, TextPolicy(), "entropy", executor=executor, **kw)
+
+
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda: InProcessExecutor(max_instances=1),
+        lambda: InProcessExecutor(max_instances=2),
+        lambda: ThreadExecutor(2),
+        lambda: ProcessExecutor(1),
+    ],
+    ids=["inprocess-1", "inprocess-2", "thread", "process"],
+)
+@pytest.mark.parametrize("max_concurrent", [1, 2, None])
+def test_failed_restores_never_drop_waiting_siblings(make, max_concurrent):
+    with make() as ex:
+        tree = grow(spec_of(Faulty, mode="restore"), ex, max_concurrent=max_concurrent)
+        live = ex.live_snapshots().count
+    failed = [n for n in tree if n.error]
+    # 2 branch points x 3 siblings: every one is in the tree, with the reason.
+    assert len(failed) == 6 and tree.stats.rollouts == 7, [n.error for n in failed]
+    assert all("restore failed" in n.error for n in failed)
+    assert {n.sibling for n in failed} == {2, 3, 4}
+    assert not any(tree[i].error for i in tree.backbone)
+    assert live == 0 and branchgym.live_snapshots().count == 0
+
+
+def test_a_crashed_instance_keeps_the_snapshots_other_siblings_need():
+    # One instance took the backbone's fork snapshots; a sibling crashes in it. Closing
+    # it would release those snapshots, and every later sibling would fail to restore.
+    with InProcessExecutor(max_instances=1) as ex:
+        tree = grow(spec_of(Owner), ex)
+    errors = [n.error for n in tree if n.error]
+    assert errors and all("sandbox crashed" in e for e in errors), errors
+    assert tree.stats.rollouts == 7
+    ok = [tree[p[-1]] for p in tree.paths() if not tree[p[-1]].error]
+    assert len(ok) == 7 - len(errors) and all(n.terminated for n in ok)
+    assert branchgym.live_snapshots().count == 0
+
+
+def test_a_thread_executor_whose_threads_are_all_stuck_still_times_out():
+    ex = ThreadExecutor(2, max_instances=3, timeout=0.5)
+    t0 = time.perf_counter()
+    tree = grow(spec_of(Faulty, mode="forever"), ex)
+    took = time.perf_counter() - t0
+    failed = [n for n in tree if n.error]
+    assert len(failed) == 6 and all(n.error.startswith("timeout") for n in failed)
+    assert tree.stats.rollouts == 7
+    assert took < 20, f"grow_tree took {took:.1f} s with every thread stuck"
+    # The stuck instances no longer count as busy, and fresh threads replaced stuck ones.
+    ref = grow(TEXT, InProcessExecutor(max_instances=3))
+    again = grow(TEXT, ex)
+    assert [n.observation for n in again] == [n.observation for n in ref]
+    ex.shutdown()
+
+
+HANG_SCRIPT = """
+import sys, time, cloudpickle, gymnasium as gym
+sys.path.insert(0, {tests!r})
+import branchgym
+from branchgym.agents.policy import TextPolicy
+from branchgym.executors import EnvSpec, {executor}
+from branchgym.rollout import grow_tree
+from test_faults import spec_of, Faulty, grow
+cloudpickle.register_pickle_by_value(sys.modules["test_faults"])
+ex = {executor}(1, timeout={timeout})
+if hasattr(ex, "pids"):
+    print("worker", ex.pids[0], flush=True)
+tree = grow(spec_of(Faulty, mode="forever"), ex)
+print("grown", sum(1 for n in tree if n.error), flush=True)
+"""
+
+
+def _script(executor, timeout):
+    tests = os.path.dirname(os.path.abspath(__file__))
+    return textwrap.dedent(HANG_SCRIPT.format(tests=tests, executor=executor, timeout=timeout))
+
+
+def test_stuck_threads_never_block_the_interpreters_exit():
+    t0 = time.perf_counter()
+    out = subprocess.run(
+        [sys.executable, "-c", _script("ThreadExecutor", 0.5)],
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    took = time.perf_counter() - t0
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "grown 6" in out.stdout
+    assert took < 25, f"exit waited for the stuck threads ({took:.1f} s; each hangs 30 s)"
+
+
+def test_a_killed_driver_takes_its_stuck_worker_with_it():
+    proc = subprocess.Popen(
+        [sys.executable, "-c", _script("ProcessExecutor", None)],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    try:
+        line = proc.stdout.readline()
+        assert line.startswith("worker"), line + proc.stderr.read()
+        worker = int(line.split()[1])
+        time.sleep(3)  # the tree is growing; the sibling's step hangs in the worker
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(timeout=10)
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline:
+            try:
+                os.kill(worker, 0)
+            except ProcessLookupError:
+                break
+            with open(f"/proc/{worker}/stat") as f:
+                if f.read().split()[2] == "Z":  # exited; its new parent reaps it
+                    break
+            time.sleep(0.2)
+        else:
+            os.kill(worker, signal.SIGKILL)
+            pytest.fail("the worker outlived its killed driver")
+    finally:
+        if proc.poll() is None:
+            proc.kill()
