@@ -45,16 +45,38 @@ def cmd_list(args: argparse.Namespace) -> int:
 # ----------------------------------------------------------------------- check
 
 
+def positive_int(text: str) -> int:
+    """An argparse type: a whole number >= 1 (argparse reports the option and the value)."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number >= 1, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a whole number >= 1, got {value}")
+    return value
+
+
+def seed_int(text: str) -> int:
+    """An argparse type: a seed, a whole number >= 0 (numpy refuses negative seeds)."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number >= 0, got {text!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"seeds are whole numbers >= 0, got {value}")
+    return value
+
+
 def configure_check(p: argparse.ArgumentParser) -> None:
     """Options of ``branchgym check``."""
     p.add_argument("target", nargs="?", help="registered env id, or module:attr (class or factory)")
     p.add_argument(
         "--all", action="store_true", help="check every registered env that can be built"
     )
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=seed_int, default=0)
     p.add_argument(
         "--max-examples",
-        type=int,
+        type=positive_int,
         default=None,
         help="programs the fidelity property suite generates (default: its default budget)",
     )
@@ -234,7 +256,7 @@ def play(
 def configure_play(p: argparse.ArgumentParser) -> None:
     """Options of ``branchgym play``."""
     p.add_argument("env_id")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=seed_int, default=0)
 
 
 def cmd_play(args: argparse.Namespace) -> int:
@@ -272,7 +294,9 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
 def configure_scenarios(p: argparse.ArgumentParser) -> None:
     """Options of ``branchgym scenarios``."""
-    p.add_argument("--seeds", type=int, default=3, help="seeds per scenario and env (default 3)")
+    p.add_argument(
+        "--seeds", type=positive_int, default=3, help="seeds per scenario and env (default 3)"
+    )
     p.add_argument(
         "--quick",
         action="store_true",

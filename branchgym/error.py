@@ -30,6 +30,7 @@ __all__ = [
     "DependencyMissingError",
     "LossInputError",
     "SandboxError",
+    "OptionError",
     "SandboxConfigError",
     "SandboxUnavailableError",
     "ScheduleError",
@@ -150,6 +151,10 @@ class SandboxConfigError(SandboxError, ValueError):
 
 class SandboxUnavailableError(SandboxError):
     """A sandbox backend cannot run on this machine (no mounts, no Docker daemon, no image)."""
+
+
+class OptionError(Error, ValueError):
+    """An option is out of its allowed range or of the wrong type; the message names both."""
 
 
 class ScheduleError(Error, ValueError):

@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import math
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -45,6 +46,7 @@ from tqdm import tqdm
 
 from branchgym.agents.policy import ActionSample, ActRequest, Context, Policy, Turn
 from branchgym.compare import first_difference
+from branchgym.error import OptionError
 from branchgym.executors import EnvSpec, Executor, InProcessExecutor, SnapshotRef, make_executor
 from branchgym.schedules import ForkPoint, get_schedule
 from branchgym.tree import ROOT, RolloutTree
@@ -98,7 +100,32 @@ def _resolve(
     return spec, ex, owned
 
 
+def check_options(**options: Any) -> None:
+    """Refuse out-of-range run options with :class:`~branchgym.error.OptionError`.
+
+    Known names: ``m`` (>= 0), ``k``, ``n``, ``max_steps``, ``max_concurrent`` (>= 1 or
+    None), ``gamma`` (finite, in [0, 1]), ``seed`` and ``env_seed`` (>= 0 or None).
+    """
+    for name, value in options.items():
+        if name == "gamma":
+            ok = isinstance(value, int | float) and not isinstance(value, bool)
+            if not ok or not math.isfinite(value) or not 0.0 <= value <= 1.0:
+                raise OptionError(f"gamma must be a finite number in [0, 1], got {value!r}")
+            continue
+        low = 0 if name in ("m", "seed", "env_seed") else 1
+        optional = name in ("max_steps", "max_concurrent", "seed", "env_seed")
+        if value is None and optional:
+            continue
+        if isinstance(value, bool) or not isinstance(value, int | np.integer) or value < low:
+            allowed = f"a whole number >= {low}" + (" or None" if optional else "")
+            raise OptionError(f"{name} must be {allowed}, got {value!r}")
+
+
 def _max_steps(spec: EnvSpec, max_steps: int | None) -> int:
+    """Decisions before a rollout is cut: ``max_steps``, else the spec's time limit.
+
+    ``max_episode_steps=-1`` is Gymnasium's "no time limit": the default cap applies.
+    """
     if max_steps is not None:
         return int(max_steps)
     limit = spec.kwargs.get("max_episode_steps")
@@ -107,7 +134,14 @@ def _max_steps(spec: EnvSpec, max_steps: int | None) -> int:
             limit = gym.spec(spec.id).max_episode_steps
         except Exception:
             limit = None
-    return int(limit) if limit else DEFAULT_MAX_STEPS
+    if limit is None or limit == -1:
+        return DEFAULT_MAX_STEPS
+    if isinstance(limit, bool) or not isinstance(limit, int) or limit < 1:
+        raise OptionError(
+            f"max_episode_steps must be a whole number >= 1, or -1 for no time limit, got "
+            f"{limit!r}"
+        )
+    return limit
 
 
 @dataclasses.dataclass
@@ -401,8 +435,10 @@ def grow_tree(
         The tree, its :class:`~branchgym.tree.TreeStats` filled in. Every snapshot it
         took is released, even when a sibling failed.
     """
-    if k < 1 or m < 0:
-        raise ValueError(f"need K >= 1 and M >= 0, got K={k}, M={m}")
+    check_options(
+        m=m, k=k, max_steps=max_steps, max_concurrent=max_concurrent, gamma=gamma, seed=seed,
+        env_seed=env_seed,
+    )  # fmt: skip
     if keep not in KEEP_MODES:
         raise ValueError(f"keep must be one of {KEEP_MODES}, got {keep!r}")
     if env_noise not in ("fresh", "shared"):
@@ -561,8 +597,7 @@ def group_rollouts(
     The tree's root is a branch point with N siblings; no snapshot is taken (every
     rollout resets with ``seed``). Arguments are those of :func:`grow_tree`.
     """
-    if n < 1:
-        raise ValueError(f"need n >= 1 rollouts, got {n}")
+    check_options(n=n, max_steps=max_steps, max_concurrent=max_concurrent, gamma=gamma, seed=seed)
     if env_noise not in ("fresh", "shared"):
         raise ValueError(f"env_noise must be 'fresh' or 'shared', got {env_noise!r}")
     rng = rng if isinstance(rng, np.random.Generator) else np.random.default_rng(rng)

@@ -200,3 +200,61 @@ def test_a_killed_driver_takes_its_stuck_worker_with_it():
     finally:
         if proc.poll() is None:
             proc.kill()
+
+
+# ------------------------------------------------------------------------ bad values
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"max_concurrent": -1}, "max_concurrent must be a whole number >= 1 or None"),
+        ({"max_concurrent": 0}, "max_concurrent"),
+        ({"max_steps": 0}, "max_steps must be a whole number >= 1 or None"),
+        ({"gamma": float("nan")}, "gamma must be a finite number in"),
+        ({"gamma": 1.5}, "gamma"),
+        ({"k": 0}, "k must be a whole number >= 1"),
+        ({"m": -1}, "m must be a whole number >= 0"),
+        ({"seed": -3}, "seed must be a whole number >= 0 or None"),
+        ({"k": 2.5}, "k must be a whole number"),
+    ],
+)
+def test_bad_run_options_are_refused_with_the_allowed_range(kwargs, match):
+    from branchgym.error import OptionError
+    from branchgym.rollout import group_rollouts
+
+    with pytest.raises(OptionError, match=match):
+        grow(TEXT, None, **kwargs)
+    if "k" not in kwargs and "m" not in kwargs:
+        with pytest.raises(OptionError, match=match):
+            group_rollouts(TEXT, TextPolicy(), 3, **kwargs)
+
+
+def test_max_episode_steps_minus_one_means_no_limit_not_one_step():
+    from branchgym.error import OptionError
+
+    # Gymnasium's -1 is "no TimeLimit": rollouts must not be cut after one decision.
+    spec = EnvSpec("branchgym/TextTreeMDP-v0", {"max_episode_steps": -1})
+    tree = grow(spec, None)
+    assert max(len(p) for p in tree.paths()) > 1
+    assert all(tree[p[-1]].terminated for p in tree.paths())
+    with pytest.raises(OptionError, match="max_episode_steps must be a whole number >= 1"):
+        grow(EnvSpec("branchgym/TextTreeMDP-v0", {"max_episode_steps": 0}), None)
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["check", "branchgym/TreeMDP-v0", "--max-examples", "0"],
+        ["check", "branchgym/TreeMDP-v0", "--seed", "-1"],
+        ["check", "branchgym/TreeMDP-v0", "--seed", "two"],
+    ],
+)
+def test_cli_refuses_bad_counts_and_seeds_at_parse_time(argv, capsys):
+    from branchgym.cli import main
+
+    with pytest.raises(SystemExit) as exc:
+        main(argv)
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert "expected a whole number" in err or "seeds are whole numbers" in err, err
