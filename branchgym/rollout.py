@@ -100,6 +100,10 @@ def _resolve(
     return spec, ex, owned
 
 
+#: Seconds one tree (or group of rollouts) may take unless told otherwise.
+DEFAULT_TREE_TIMEOUT = 3600.0
+
+
 def check_options(**options: Any) -> None:
     """Refuse out-of-range run options with :class:`~branchgym.error.OptionError`.
 
@@ -107,6 +111,13 @@ def check_options(**options: Any) -> None:
     None), ``gamma`` (finite, in [0, 1]), ``seed`` and ``env_seed`` (>= 0 or None).
     """
     for name, value in options.items():
+        if name == "tree_timeout":
+            if value is None:
+                continue
+            ok = isinstance(value, int | float) and not isinstance(value, bool)
+            if not ok or not math.isfinite(value) or value <= 0:
+                raise OptionError(f"tree_timeout must be positive seconds or None, got {value!r}")
+            continue
         if name == "gamma":
             ok = isinstance(value, int | float) and not isinstance(value, bool)
             if not ok or not math.isfinite(value) or not 0.0 <= value <= 1.0:
@@ -157,6 +168,7 @@ class _Line:
     group: Any = None  # lines with the same group ask for their first action together
     snapshot_each: bool = False
     snaps: dict[int, SnapshotRef] = dataclasses.field(default_factory=dict)
+    stepped: bool = False  # has a node of its own in the tree
 
 
 class _Engine:
@@ -170,11 +182,27 @@ class _Engine:
         rng: np.random.Generator,
         max_steps: int,
         tree: RolloutTree,
+        tree_timeout: float | None = None,
     ) -> None:
         self.spec, self.ex, self.policy, self.rng = spec, ex, policy, rng
         self.max_steps = max_steps
         self.tree = tree
         self.live: dict[int, SnapshotRef] = {}
+        self.tree_timeout = tree_timeout
+        self.deadline = None if tree_timeout is None else time.monotonic() + tree_timeout
+
+    @property
+    def expired(self) -> bool:
+        """The tree's time budget is spent: nothing new starts, running lines are cut."""
+        return self.deadline is not None and time.monotonic() > self.deadline
+
+    def timeout_reason(self) -> str:
+        return f"tree timeout: the tree ran past its {self.tree_timeout:g} s budget"
+
+    def record_not_run(self, parent: int, sibling: int, rollout: int, why: str) -> None:
+        """A scheduled rollout that never ran: a leaf saying why (the group stays whole)."""
+        self.tree.add(parent, sibling=sibling, rollout=rollout, truncated=True, error=why)
+        self.tree.stats.errors += 1
 
     # -- snapshot bookkeeping -----------------------------------------------------
     def track(self, ref: SnapshotRef) -> None:
@@ -222,12 +250,16 @@ class _Engine:
         finished: list[_Line] = []
         active = list(lines)
         while True:
-            if refill is not None:
+            if refill is not None and not self.expired:
                 while (room := (capacity or 1 << 30) - len(active)) > 0:
                     started = refill(room)
                     if started is None:
                         break
                     active.extend(started)
+            if active and self.expired:
+                self._cut(active)
+                finished.extend(active)
+                active = []
             if not active:
                 break
             snap_now = [ln for ln in active if ln.snapshot_each]
@@ -262,6 +294,7 @@ class _Engine:
                 if out.error is not None:
                     self.tree.stats.errors += 1
                 ln.parent, ln.sibling, ln.prefix, ln.group = node.id, 0, (), None
+                ln.stepped = True
                 ln.context = ln.context.extend(
                     Turn(
                         smp.text,
@@ -283,6 +316,19 @@ class _Engine:
                     still.append(ln)
             active = still
         return finished
+
+    def _cut(self, lines: Sequence[_Line]) -> None:
+        """End lines where they are when the tree's budget runs out (recorded as errors)."""
+        why = self.timeout_reason()
+        for ln in lines:
+            if ln.stepped:
+                node = self.tree[ln.parent]
+                node.truncated = True
+                node.error = node.error or why
+                self.tree.stats.errors += 1
+            else:  # restored but not yet stepped: its leaf says why
+                self.record_not_run(ln.parent, ln.sibling, ln.rollout, why)
+        self.ex.close([ln.session for ln in lines])
 
     def _act(self, lines: Sequence[_Line]) -> tuple[list[ActionSample], float]:
         """One batched policy call; lines of one group share a request (shared prefix)."""
@@ -397,6 +443,7 @@ def grow_tree(
     max_concurrent: int | None = None,
     gamma: float = 1.0,
     env_seed: int | None = None,
+    tree_timeout: float | None = DEFAULT_TREE_TIMEOUT,
 ) -> RolloutTree:
     """Grow one rollout tree: a backbone, then K-1 siblings at M branch points.
 
@@ -430,14 +477,20 @@ def grow_tree(
         env_seed: Reseed the env's RNG right after the reset (``branchgym.reseed``), so
             several trees of one task (same ``seed``) draw independent environment
             randomness; ``None`` keeps the reset seed's stream.
+        tree_timeout: Seconds the whole tree may take (None: no limit). Past it nothing
+            new starts and running rollouts are cut; each is recorded with the reason
+            (``node.error``), so every sibling group stays whole. Each sandbox call has
+            its own limit too (the executor's ``timeout``).
 
     Returns:
-        The tree, its :class:`~branchgym.tree.TreeStats` filled in. Every snapshot it
-        took is released, even when a sibling failed.
+        The tree, its :class:`~branchgym.tree.TreeStats` filled in. Every scheduled
+        rollout is in it: played out, or a leaf whose ``error`` says why it did not run
+        or stopped (restore failed, sandbox crashed, timed out). Every snapshot it took is
+        released, even when a sibling failed.
     """
     check_options(
         m=m, k=k, max_steps=max_steps, max_concurrent=max_concurrent, gamma=gamma, seed=seed,
-        env_seed=env_seed,
+        env_seed=env_seed, tree_timeout=tree_timeout,
     )  # fmt: skip
     if keep not in KEEP_MODES:
         raise ValueError(f"keep must be one of {KEEP_MODES}, got {keep!r}")
@@ -448,7 +501,7 @@ def grow_tree(
     spec, ex, owned = _resolve(env, executor, **(executor_options or {}))
     wall0 = time.perf_counter()
     tree = RolloutTree(spec.id, seed, gamma=gamma)
-    eng = _Engine(spec, ex, policy, rng, _max_steps(spec, max_steps), tree)
+    eng = _Engine(spec, ex, policy, rng, _max_steps(spec, max_steps), tree, tree_timeout)
     try:
         (out,) = ex.reset([spec], [seed], options=options, reseeds=[env_seed])
         if out.error is not None:
@@ -559,6 +612,15 @@ def _run_siblings(
         return lines
 
     eng.advance([], refill=refill, capacity=capacity)
+    # The budget ran out with siblings still waiting: each is recorded, none vanishes.
+    while pending:
+        f, kk = pending.popleft()
+        eng.record_not_run(
+            tree[backbone[f.step]].parent, kk, next(rollout_ids), "not run: " + eng.timeout_reason()
+        )
+        remaining[f.step] -= 1
+        if remaining[f.step] == 0:
+            eng.release(refs[f.step])
 
 
 def grow_trees(
@@ -591,20 +653,24 @@ def group_rollouts(
     env_noise: str = "fresh",
     max_concurrent: int | None = None,
     gamma: float = 1.0,
+    tree_timeout: float | None = DEFAULT_TREE_TIMEOUT,
 ) -> RolloutTree:
     """N independent rollouts from the reset state (GRPO/RLOO's topology), as one tree.
 
     The tree's root is a branch point with N siblings; no snapshot is taken (every
     rollout resets with ``seed``). Arguments are those of :func:`grow_tree`.
     """
-    check_options(n=n, max_steps=max_steps, max_concurrent=max_concurrent, gamma=gamma, seed=seed)
+    check_options(
+        n=n, max_steps=max_steps, max_concurrent=max_concurrent, gamma=gamma, seed=seed,
+        tree_timeout=tree_timeout,
+    )  # fmt: skip
     if env_noise not in ("fresh", "shared"):
         raise ValueError(f"env_noise must be 'fresh' or 'shared', got {env_noise!r}")
     rng = rng if isinstance(rng, np.random.Generator) else np.random.default_rng(rng)
     spec, ex, owned = _resolve(env, executor, **(executor_options or {}))
     wall0 = time.perf_counter()
     tree = RolloutTree(spec.id, seed, gamma=gamma)
-    eng = _Engine(spec, ex, policy, rng, _max_steps(spec, max_steps), tree)
+    eng = _Engine(spec, ex, policy, rng, _max_steps(spec, max_steps), tree, tree_timeout)
     todo = collections.deque(range(n))
     capacity = max_concurrent or ex.capacity
 
@@ -635,6 +701,8 @@ def group_rollouts(
 
     try:
         eng.advance([], refill=refill, capacity=capacity)
+        for i in todo:  # the budget ran out before these started
+            eng.record_not_run(ROOT, i + 1 if n > 1 else 0, i, "not run: " + eng.timeout_reason())
         return tree
     finally:
         eng.release_all()

@@ -49,6 +49,8 @@ class Faulty(TextTreeMDP):
             time.sleep(30)
         if self.armed and self.mode == "crash" and action == "go south":
             raise RuntimeError("sandbox crashed")
+        if self.armed and self.mode == "slow":
+            time.sleep(0.25)
         return super().step(action)
 
 
@@ -138,6 +140,30 @@ def test_a_thread_executor_whose_threads_are_all_stuck_still_times_out():
     ex.shutdown()
 
 
+@pytest.mark.parametrize(
+    "make", [lambda: InProcessExecutor(max_instances=1), lambda: ThreadExecutor(2)]
+)
+def test_a_tree_past_its_budget_is_cut_and_says_so(make):
+    t0 = time.perf_counter()
+    with make() as ex:
+        tree = grow(spec_of(Faulty, mode="slow"), ex, max_concurrent=1, tree_timeout=1.0)
+    took = time.perf_counter() - t0
+    assert took < 6, took
+    assert tree.stats.rollouts == 7  # every scheduled sibling is in the tree
+    cut = [n for n in tree if n.error]
+    assert cut and all("tree timeout" in n.error for n in cut)
+    assert any(n.error.startswith("not run") for n in cut)  # some never started
+    assert not any(tree[i].error for i in tree.backbone)
+    assert branchgym.live_snapshots().count == 0
+    from branchgym.rollout import group_rollouts
+
+    with make() as ex:
+        group = group_rollouts(
+            spec_of(Faulty, mode="slow"), TextPolicy(), 5, seed=0, executor=ex, tree_timeout=1e-3
+        )
+    assert group.stats.rollouts == 5 and all("tree timeout" in n.error for n in group if n.error)
+
+
 HANG_SCRIPT = """
 import sys, time, cloudpickle, gymnasium as gym
 sys.path.insert(0, {tests!r})
@@ -217,6 +243,7 @@ def test_a_killed_driver_takes_its_stuck_worker_with_it():
         ({"m": -1}, "m must be a whole number >= 0"),
         ({"seed": -3}, "seed must be a whole number >= 0 or None"),
         ({"k": 2.5}, "k must be a whole number"),
+        ({"tree_timeout": 0}, "tree_timeout must be positive seconds or None"),
     ],
 )
 def test_bad_run_options_are_refused_with_the_allowed_range(kwargs, match):
