@@ -189,7 +189,7 @@ def test_snapshots_are_released_when_the_policy_fails():
 def test_bad_arguments():
     with pytest.raises(ValueError, match="keep"):
         grow_tree(TEXT, TextPolicy(), keep="magic")
-    with pytest.raises(ValueError, match="K >= 1"):
+    with pytest.raises(branchgym.error.OptionError, match="k must be a whole number >= 1"):
         grow_tree(TEXT, TextPolicy(), k=0)
     with pytest.raises(branchgym.error.ScheduleError):
         grow_tree(TEXT, TextPolicy(), "nonsense")
