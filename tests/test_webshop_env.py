@@ -90,6 +90,16 @@ def test_invalid_actions_change_nothing_but_the_message(data_dir, action):
     assert env.state.step == before.step + 1  # an invalid action still costs a step
 
 
+def test_a_huge_action_is_refused_and_not_kept_whole(data_dir):
+    env = fixture_env(data_dir)
+    obs, *_, info = env.step("search[" + "x" * 1_000_000 + "]")
+    assert obs.startswith("Invalid action") and "1000008 characters (limit 4096)" in obs
+    assert info["invalid_action"] and env.state.keywords is None
+    with env.snapshot() as snap:
+        assert snap.nbytes < 10_000  # the state keeps the action's head only
+    assert len(env.state.history[-1]) < 200
+
+
 def test_action_grammar_matches_upstream(data_dir):
     env = fixture_env(data_dir)
     env.step("search[ACME Daily] ignored tail")  # re.match: text after ] is ignored

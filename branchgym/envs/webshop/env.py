@@ -202,9 +202,21 @@ class WebShopEnv(SnapshottableEnv[str, str]):
         """Apply ``search[query]`` or ``click[target]``; anything else is invalid feedback."""
         st = self._require_live()
         page = self._page
-        history = st.history + (action if isinstance(action, str) else repr(action),)
-        base = st._replace(step=st.step + 1, history=history, message=None)
-        new, reward, terminated = self._transition(base, page, action)
+        limit = self.action_space.max_length
+        if isinstance(action, str) and len(action) > limit:
+            # Outside the action space: refused, and only its head is kept in the state,
+            # so one huge action cannot make every later snapshot huge.
+            kept = f"{action[:_MAX_ECHO]}... ({len(action)} characters)"
+            base = st._replace(step=st.step + 1, history=st.history + (kept,), message=None)
+            why = (
+                f"{action[:_MAX_ECHO]!r}...: the action has {len(action)} characters "
+                f"(limit {limit})"
+            )
+            new, reward, terminated = self._invalid(base, why), 0.0, False
+        else:
+            history = st.history + (action if isinstance(action, str) else repr(action)[:limit],)
+            base = st._replace(step=st.step + 1, history=history, message=None)
+            new, reward, terminated = self._transition(base, page, action)
         truncated = not terminated and new.step >= self.max_steps
         obs, info = self._enter(new)
         return obs, reward, terminated, truncated, info
