@@ -33,6 +33,7 @@ import io
 import os
 import pickle
 import secrets
+import sys
 import threading
 from collections.abc import Iterable, Iterator
 from typing import Any
@@ -132,6 +133,8 @@ class SafeUnpickler(pickle.Unpickler):
         key = (module, name)
         if key in SAFE_GLOBALS or key in _REGISTERED or key in self.allowed:
             return super().find_class(module, name)
+        if _is_snapshot_class(module, name):
+            return super().find_class(module, name)
         raise SnapshotUntrustedError(
             f"snapshot bytes reference {module}.{name}, which is not an allowed snapshot "
             "type; nothing was run. If it is your env's state type, register it with "
@@ -141,6 +144,22 @@ class SafeUnpickler(pickle.Unpickler):
     def persistent_load(self, pid: Any) -> Any:
         """Persistent ids are never part of snapshot bytes."""
         raise SnapshotUntrustedError("snapshot bytes use a persistent id; refused")
+
+
+def _is_snapshot_class(module: str, name: str) -> bool:
+    """A :class:`~branchgym.core.Snapshot` subclass of a module already imported.
+
+    Snapshot handles of wrapper layers (an env author's ``Snapshot`` subclass) are
+    rebuilt by ``_rebuild_snapshot``, which never calls their constructor. The module is
+    looked up, never imported: naming a module must not run its import-time code.
+    """
+    mod = sys.modules.get(module)
+    if mod is None or "." in name:
+        return False
+    obj = getattr(mod, name, None)
+    from branchgym.core import Snapshot
+
+    return isinstance(obj, type) and issubclass(obj, Snapshot)
 
 
 def safe_loads(blob: bytes, allowed: Iterable[tuple[str, str]] = ()) -> Any:

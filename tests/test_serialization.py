@@ -171,3 +171,27 @@ def test_register_snapshot_types_and_key_validation(monkeypatch):
         serialization.run_key()
     monkeypatch.setenv(serialization.KEY_ENV, "ab" * 32)
     assert serialization.run_key() == bytes.fromhex("ab" * 32)
+
+
+def test_snapshot_subclasses_load_and_unknown_modules_are_never_imported():
+    import sys
+
+    body = pickle.dumps(_Gadget(getattr, object, "x"), protocol=5)
+    assert "antigravity" not in sys.modules
+    evil = body.replace(b"builtins", b"antigravity").replace(b"getattr", b"geturl_x")
+    with pytest.raises((SnapshotUntrustedError, pickle.UnpicklingError)):
+        serialization.safe_loads(evil)
+    assert "antigravity" not in sys.modules  # naming a module does not import it
+    # A wrapper layer's own Snapshot subclass (scenarios.LayerSnapshot) rebuilds.
+    from scenarios import SCENARIOS
+
+    env = SCENARIOS["stale_obs_cache"].factory("branchgym/TreeMDP-v0")()
+    env.reset(seed=0)
+    with branchgym.snapshot(env) as snap:
+        copy = Snapshot.from_bytes(snap.to_bytes())
+    names, s = [], copy
+    while s is not None:
+        names.append(type(s).__name__)
+        s = getattr(s, "inner", None) if type(s).__name__ == "StackSnapshot" else None
+    assert "LayerSnapshot" in names or "LayerSnapshot" in repr(copy.payload), names
+    branchgym.restore(env, copy)
