@@ -43,9 +43,9 @@ import gymnasium as gym
 import numpy as np
 from tqdm import tqdm
 
-from branchgym.agents.policy import ActionSample, ActRequest, Context, Policy, Turn
 from branchgym.compare import first_difference
 from branchgym.executors import EnvSpec, Executor, InProcessExecutor, SnapshotRef, make_executor
+from branchgym.policy import ActionSample, ActRequest, Context, Policy, Turn
 from branchgym.schedules import ForkPoint, get_schedule
 from branchgym.tree import ROOT, RolloutTree
 

@@ -1,0 +1,76 @@
+"""Import arrows run one way: env -> snapshot -> tree -> rows -> loss -> learner.
+
+These tests read the source with :mod:`ast` (no imports run), so a lazy import inside a
+function counts the same as one at the top of a module.
+"""
+
+import ast
+import pathlib
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+#: Source folders and the package each is installed as (see pyproject's package-dir).
+PACKAGES = {
+    "branchgym": "branchgym",
+    "agents": "branchgym.agents",
+    "wrappers": "branchgym.wrappers",
+    "scenarios": "branchgym.scenarios",
+}
+
+
+def module_name(path: pathlib.Path) -> str:
+    rel = path.relative_to(ROOT).with_suffix("")
+    parts = [*PACKAGES[rel.parts[0]].split("."), *rel.parts[1:]]
+    if parts[-1] == "__init__":
+        parts.pop()
+    return ".".join(parts)
+
+
+def source_files(*folders: str):
+    for folder in folders:
+        for path in sorted((ROOT / folder).rglob("*.py")):
+            if "__pycache__" not in path.parts:
+                yield path
+
+
+def imports(path: pathlib.Path):
+    """``(line, imported module, imported names)`` for every import in ``path``."""
+    me = module_name(path)
+    package = me if path.name == "__init__.py" else me.rpartition(".")[0]
+    for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+        if isinstance(node, ast.Import):
+            for alias in node.names:
+                yield node.lineno, alias.name, ()
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = package.split(".")[: len(package.split(".")) - node.level + 1]
+                module = ".".join([*base, *([node.module] if node.module else [])])
+            else:
+                module = node.module or ""
+            yield node.lineno, module, tuple(alias.name for alias in node.names)
+
+
+def is_under(module: str, package: str) -> bool:
+    return module == package or module.startswith(package + ".")
+
+
+def test_module_names_map_the_source_folders():
+    assert module_name(ROOT / "agents" / "policy.py") == "branchgym.agents.policy"
+    assert module_name(ROOT / "branchgym" / "bench" / "__init__.py") == "branchgym.bench"
+
+
+def test_engine_imports_nothing_from_agents():
+    """The core package (all of branchgym/ but bench/ and the CLI) never imports agents/.
+
+    Policies, losses and learners build on the engine; the engine only knows the policy
+    protocol in :mod:`branchgym.policy`.
+    """
+    offenders = []
+    for path in source_files("branchgym"):
+        rel = path.relative_to(ROOT)
+        if rel.parts[1] == "bench" or rel == pathlib.Path("branchgym/cli.py"):
+            continue
+        for line, module, names in imports(path):
+            targets = [module] + [f"{module}.{name}" for name in names]
+            if any(is_under(t, "branchgym.agents") or is_under(t, "agents") for t in targets):
+                offenders.append(f"{rel}:{line}: {module}")
+    assert not offenders, "engine modules import agents/:\n" + "\n".join(offenders)
