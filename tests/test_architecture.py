@@ -74,3 +74,36 @@ def test_engine_imports_nothing_from_agents():
             if any(is_under(t, "branchgym.agents") or is_under(t, "agents") for t in targets):
                 offenders.append(f"{rel}:{line}: {module}")
     assert not offenders, "engine modules import agents/:\n" + "\n".join(offenders)
+
+
+#: Old homes of moved bench modules: each only forwards, lazily and with a warning.
+DEPRECATED_BENCH_ALIASES = {"branchgym/envs/webshop/bench.py", "branchgym/envs/alfworld/bench.py"}
+
+
+def test_env_packages_import_nothing_from_bench():
+    """Benchmarks import envs, never the reverse (env CLIs aside, like the top-level CLI)."""
+    offenders = []
+    for path in source_files("branchgym/envs"):
+        rel = path.relative_to(ROOT)
+        if rel.as_posix() in DEPRECATED_BENCH_ALIASES or rel.name == "cli.py":
+            continue
+        for line, module, _ in imports(path):
+            if is_under(module, "branchgym.bench"):
+                offenders.append(f"{rel}:{line}: {module}")
+    assert not offenders, "env modules import the bench package:\n" + "\n".join(offenders)
+
+
+def test_moved_bench_modules_still_import_from_their_old_home():
+    import importlib
+
+    import pytest
+
+    from branchgym.bench import alfworld, webshop
+
+    for env, moved, name in [
+        ("webshop", webshop, "section_webshop"),
+        ("alfworld", alfworld, "section_alfworld"),
+    ]:
+        old = importlib.import_module(f"branchgym.envs.{env}.bench")
+        with pytest.warns(DeprecationWarning, match=f"branchgym.bench.{env}"):
+            assert getattr(old, name) is getattr(moved, name)
