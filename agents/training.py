@@ -174,35 +174,42 @@ class TrainArgs:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:
                 raise TrainingConfigError(f"{name} must be an integer >= 0; got {value!r}.")
-        _require(self.lr > 0, f"lr must be > 0; got {self.lr}.")
-        _require(self.weight_decay >= 0, f"weight_decay must be >= 0; got {self.weight_decay}.")
-        _require(self.grad_clip >= 0, f"grad_clip must be >= 0 (0: off); got {self.grad_clip}.")
-        _require(
+        require(self.lr > 0, f"lr must be > 0; got {self.lr}.")
+        require(self.weight_decay >= 0, f"weight_decay must be >= 0; got {self.weight_decay}.")
+        require(self.grad_clip >= 0, f"grad_clip must be >= 0 (0: off); got {self.grad_clip}.")
+        require(
             len(self.adam_betas) == 2 and all(0 <= b < 1 for b in self.adam_betas),
             f"adam_betas must be two numbers in [0, 1); got {self.adam_betas}.",
         )
-        _choice("policy", self.policy, ("auto", *POLICIES))
-        _choice("lr_schedule", self.lr_schedule, LR_SCHEDULES)
-        _choice("device", self.device, ("auto", "cpu", "cuda"))
-        _choice("precision", self.precision, ("auto", "fp32"))
+        require_one_of("policy", self.policy, ("auto", *POLICIES))
+        require_one_of("lr_schedule", self.lr_schedule, LR_SCHEDULES)
+        require_one_of("device", self.device, ("auto", "cpu", "cuda"))
+        require_one_of("precision", self.precision, ("auto", "fp32"))
         if not isinstance(self.env_kwargs, dict):
             raise TrainingConfigError(
                 f"env_kwargs must be a dict of gym.make keywords; got {self.env_kwargs!r}."
             )
 
 
-def _require(ok: bool, message: str) -> None:
+def require(ok: bool, message: str) -> None:
+    """Raise :class:`TrainingConfigError` with ``message`` unless ``ok`` (argument checks)."""
     if not ok:
         raise TrainingConfigError(message)
 
 
-def _choice(name: str, value: Any, options: Any) -> None:
+def require_one_of(name: str, value: Any, options: Any) -> None:
+    """Raise :class:`TrainingConfigError` unless ``value`` is in ``options`` (names the closest)."""
     if value not in options:
         close = difflib.get_close_matches(str(value), [str(o) for o in options], n=1)
         hint = f" Did you mean {close[0]!r}?" if close else ""
         raise TrainingConfigError(
             f"{name} must be one of {', '.join(map(str, options))}; got {value!r}.{hint}"
         )
+
+
+# Former private names, kept for code that imported them before they were made public.
+_require = require
+_choice = require_one_of
 
 
 def field_docs(cls: type) -> dict[str, str]:

@@ -53,6 +53,9 @@ __all__ = [
     "reseed",
     "register_wrapper_state",
     "declare_stateless",
+    "wrapper_state_handler",
+    "walk_wrappers",
+    "capture_wrapper_state",
     "live_snapshots",
     "LiveSnapshots",
     "SNAPSHOT_KINDS",
@@ -551,7 +554,15 @@ def declare_stateless(*classes: type[gym.Wrapper]) -> None:
         register_wrapper_state(cls, ())
 
 
-def _handler(wrapper: gym.Wrapper) -> _WrapperState:
+def wrapper_state_handler(wrapper: gym.Wrapper) -> _WrapperState:
+    """How branchgym captures ``wrapper``'s state: its ``attrs``, ``volatile`` and ``observe``.
+
+    Wrapper classes declare this with :func:`register_wrapper_state`,
+    :func:`declare_stateless` or a ``branchgym_state_attrs`` class attribute.
+
+    Raises:
+        UnsnapshottableWrapperError: the wrapper's class declared nothing.
+    """
     cls = type(wrapper)
     h = _HANDLERS.get(cls)
     if h is not None:
@@ -694,26 +705,31 @@ def snapshot(env: gym.Env) -> Snapshot:
         SnapshotNotSupportedError: nothing in the stack implements snapshots.
     """
     wrappers, owner = _walk(env)
-    layers = tuple((_path(type(w)), _capture(w)) for w in wrappers if _handler(w).attrs)
+    layers = tuple(
+        (_path(type(w)), capture_wrapper_state(w))
+        for w in wrappers
+        if wrapper_state_handler(w).attrs
+    )
     inner = owner.snapshot()
     if not wrappers:
         return inner
     return StackSnapshot(inner, layers)
 
 
-def _walk_wrappers(env: gym.Env) -> list[gym.Wrapper]:
+def walk_wrappers(env: gym.Env) -> list[gym.Wrapper]:
     """Every wrapper from ``env`` down to the base env; unknown ones raise."""
     out: list[gym.Wrapper] = []
     e: Any = env
     while isinstance(e, gym.Wrapper):
-        _handler(e)
+        wrapper_state_handler(e)
         out.append(e)
         e = e.env
     return out
 
 
-def _capture(wrapper: gym.Wrapper) -> dict[str, Any]:
-    return {a: copy.deepcopy(getattr(wrapper, a)) for a in _handler(wrapper).attrs}
+def capture_wrapper_state(wrapper: gym.Wrapper) -> dict[str, Any]:
+    """Deep copies of the declared state attributes of one wrapper, by name."""
+    return {a: copy.deepcopy(getattr(wrapper, a)) for a in wrapper_state_handler(wrapper).attrs}
 
 
 def restore(env: gym.Env, snap: Snapshot) -> tuple[Any, dict[str, Any]]:
@@ -729,8 +745,8 @@ def restore(env: gym.Env, snap: Snapshot) -> tuple[Any, dict[str, Any]]:
         )
     wrappers, owner = _walk(env)
     for w in wrappers:
-        _handler(w)  # unknown wrappers fail before anything changes
-    stateful = [w for w in wrappers if _handler(w).attrs]
+        wrapper_state_handler(w)  # unknown wrappers fail before anything changes
+    stateful = [w for w in wrappers if wrapper_state_handler(w).attrs]
     # A SnapshotWrapper that is itself the outermost layer may return a StackSnapshot of
     # the stack *below* it (it delegates to snapshot(self.env)); snapshot() hands that
     # back unchanged, so restore() must hand it to the wrapper unchanged too.
@@ -750,7 +766,7 @@ def restore(env: gym.Env, snap: Snapshot) -> tuple[Any, dict[str, Any]]:
         for name, value in state.items():
             setattr(w, name, copy.deepcopy(value))
     for w in reversed(wrappers):  # inner to outer, as step() would transform
-        observe = _handler(w).observe
+        observe = wrapper_state_handler(w).observe
         if observe is not None:
             obs = observe(w, obs)
     return obs, info
@@ -761,7 +777,7 @@ def state_digest(env: gym.Env) -> str:
     wrappers, owner = _walk(env)
     parts = []
     for w in wrappers:
-        h = _handler(w)
+        h = wrapper_state_handler(w)
         parts.append((_path(type(w)), {a: getattr(w, a) for a in h.attrs if a not in h.volatile}))
     return stable_hash(parts, owner.state_digest())
 
@@ -836,3 +852,8 @@ class SnapshotAPI(gym.Wrapper[ObsType, ActType, ObsType, ActType], gym.utils.Rec
 
 _register_gymnasium_wrappers()
 declare_stateless(SnapshotAPI)
+
+# Former private names, kept for code that imported them before they were made public.
+_handler = wrapper_state_handler
+_walk_wrappers = walk_wrappers
+_capture = capture_wrapper_state

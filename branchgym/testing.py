@@ -50,7 +50,7 @@ from typing import Any
 import gymnasium as gym
 import numpy as np
 
-from branchgym.checker import ActionChooser, _as_factory, _strip, run_actions, volatile_keys
+from branchgym.checker import ActionChooser, as_factory, run_actions, strip_volatile, volatile_keys
 from branchgym.compare import first_difference, first_step_difference
 from branchgym.core import restore, snapshot, state_digest
 from branchgym.digest import stable_hash
@@ -332,7 +332,7 @@ class _Program:
         obs, info = self.call("model.reset", lambda: m.reset(seed=seed))
         for a in prefix:
             obs, *_, info = self.call("model.step", lambda a=a: m.step(copy.deepcopy(a)))
-        return m, obs, _strip(info, self.volatile)
+        return m, obs, strip_volatile(info, self.volatile)
 
     def _rec(self, name: str) -> _Rec:
         rec = self.recs.get(name)
@@ -342,7 +342,7 @@ class _Program:
 
     def _after_restore(self, rec: _Rec, obs: Any, info: dict[str, Any], how: str) -> None:
         self.stats.restores += 1
-        info = _strip(info, self.volatile)
+        info = strip_volatile(info, self.volatile)
         at = len(rec.prefix)
         d = first_step_difference(
             (obs, info), (rec.obs, rec.info), fields=("obs", "info"), ignore=self.volatile
@@ -405,7 +405,7 @@ class _Program:
         self.ops.append(("reset", seed))
         self.lines.append(f"env.reset(seed={seed})")
         obs, info = self.call("env.reset", lambda: self.live.reset(seed=seed))
-        info = _strip(info, self.volatile)
+        info = strip_volatile(info, self.volatile)
         self.seed, self.prefix, self.done, self.restored_at = seed, [], False, None
         self.obs, self.info = obs, info
         self.model, m_obs, m_info = self._replay(seed, [])
@@ -1018,7 +1018,7 @@ def _distribution_phase(
         try:
             volatile = volatile_keys(env)
             obs, info, _ = _replay_to(env, s, prefix)
-            info = _strip(info, volatile)
+            info = strip_volatile(info, volatile)
             digest = _digest(env)
             snap = snapshot(env)
             stats.snapshots += 1
@@ -1044,7 +1044,10 @@ def _distribution_phase(
                 tries += 1
                 o, inf, alive = _replay_to(f_env, s + 100_000 + tries, prefix)
                 if not alive or first_step_difference(
-                    (o, _strip(inf, volatile)), (obs, info), fields=("obs", "info"), ignore=volatile
+                    (o, strip_volatile(inf, volatile)),
+                    (obs, info),
+                    fields=("obs", "info"),
+                    ignore=volatile,
                 ):
                     continue
                 if digest is not None and _digest(f_env) != digest:
@@ -1307,7 +1310,7 @@ def check_snapshot_fidelity(
             f"permutations={permutations} cannot reach p <= alpha/points = {alpha / points:.2g}; "
             f"use at least {int(np.ceil(points / alpha))} permutations"
         )
-    name, factory = _as_factory(env_fn)
+    name, factory = as_factory(env_fn)
     header = _make_header(env_fn)
     t0 = time.perf_counter()
     probe = factory()

@@ -107,3 +107,37 @@ def test_moved_bench_modules_still_import_from_their_old_home():
         old = importlib.import_module(f"branchgym.envs.{env}.bench")
         with pytest.warns(DeprecationWarning, match=f"branchgym.bench.{env}"):
             assert getattr(old, name) is getattr(moved, name)
+
+
+def test_no_private_names_cross_module_boundaries():
+    """``from branchgym.x import _name`` only inside ``branchgym.x`` itself.
+
+    What one module needs from another is public and documented there (tests may still
+    import privates). Covers branchgym/ (swebench included), agents/, wrappers/ and
+    scenarios/.
+    """
+    offenders = []
+    for path in source_files(*PACKAGES):
+        me = module_name(path)
+        for line, module, names in imports(path):
+            if not is_under(module, "branchgym") or module == me:
+                continue
+            private = [n for n in names if n.startswith("_") and not n.startswith("__")]
+            if private:
+                rel = path.relative_to(ROOT)
+                offenders.append(f"{rel}:{line}: from {module} import {', '.join(private)}")
+    assert not offenders, "private names imported across modules:\n" + "\n".join(offenders)
+
+
+def test_former_private_names_still_resolve():
+    from branchgym.agents import training
+
+    from branchgym import checker, core
+
+    assert core._walk_wrappers is core.walk_wrappers
+    assert core._capture is core.capture_wrapper_state
+    assert core._handler is core.wrapper_state_handler
+    assert checker._strip is checker.strip_volatile
+    assert checker._as_factory is checker.as_factory
+    assert training._require is training.require
+    assert training._choice is training.require_one_of

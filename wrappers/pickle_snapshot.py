@@ -17,7 +17,13 @@ from typing import Any
 import gymnasium as gym
 from branchgym.wrappers._identity import stack_identity
 
-from branchgym.core import Snapshot, SnapshotWrapper, _capture, _handler, _walk_wrappers
+from branchgym.core import (
+    Snapshot,
+    SnapshotWrapper,
+    capture_wrapper_state,
+    walk_wrappers,
+    wrapper_state_handler,
+)
 from branchgym.digest import stable_hash
 from branchgym.error import ResetNeededError, SnapshotCorruptError, SnapshotMismatchError
 
@@ -80,8 +86,8 @@ class PickleSnapshot(SnapshotWrapper, gym.utils.RecordConstructorArgs):
         return obs, reward, terminated, truncated, info
 
     def _state(self) -> tuple[Any, ...]:
-        wrappers = _walk_wrappers(self.env)
-        layers = tuple(_capture(w) for w in wrappers)
+        wrappers = walk_wrappers(self.env)
+        layers = tuple(capture_wrapper_state(w) for w in wrappers)
         base = self.env.unwrapped
         base_state = {k: v for k, v in base.__dict__.items() if k not in self._exclude}
         return layers, base_state
@@ -134,7 +140,7 @@ class PickleSnapshot(SnapshotWrapper, gym.utils.RecordConstructorArgs):
             raise SnapshotCorruptError(
                 f"PickleSnapshot payload cannot be unpickled: {exc}"
             ) from exc
-        wrappers = _walk_wrappers(self.env)
+        wrappers = walk_wrappers(self.env)
         if len(wrappers) != len(layers):
             raise SnapshotMismatchError(
                 "the wrapper stack below PickleSnapshot differs from the one snapshotted; "
@@ -150,10 +156,10 @@ class PickleSnapshot(SnapshotWrapper, gym.utils.RecordConstructorArgs):
 
     def state_digest(self) -> str:
         """Digest of the base env's state and the wrappers' non-volatile state."""
-        wrappers = _walk_wrappers(self.env)
+        wrappers = walk_wrappers(self.env)
         parts = []
         for w in wrappers:
-            h = _handler(w)
+            h = wrapper_state_handler(w)
             parts.append({a: getattr(w, a) for a in h.attrs if a not in h.volatile})
         _, base_state = self._state()
         try:

@@ -20,7 +20,7 @@ import gymnasium as gym
 import numpy as np
 from branchgym.wrappers._identity import stack_identity
 
-from branchgym.core import Snapshot, SnapshotWrapper, _capture, _walk_wrappers
+from branchgym.core import Snapshot, SnapshotWrapper, capture_wrapper_state, walk_wrappers
 from branchgym.digest import stable_hash
 from branchgym.error import ResetNeededError, SnapshotCorruptError, SnapshotMismatchError
 
@@ -81,7 +81,7 @@ class ReplaySnapshot(SnapshotWrapper, gym.utils.RecordConstructorArgs):
         if self._seed is None:
             raise ResetNeededError("Cannot snapshot before reset(); call env.reset() first.")
         env_id, spec_hash = stack_identity(self.env)
-        layers = tuple(_capture(w) for w in _walk_wrappers(self.env))
+        layers = tuple(capture_wrapper_state(w) for w in walk_wrappers(self.env))
         seed_rng = copy.deepcopy(self._seed_rng.bit_generator.state) if self._seed_rng else None
         payload = (self._seed, copy.deepcopy(self._options), tuple(self._actions), layers, seed_rng)
         depth = sum(not isinstance(a, _Reseed) for a in self._actions)
@@ -127,7 +127,7 @@ class ReplaySnapshot(SnapshotWrapper, gym.utils.RecordConstructorArgs):
                     f"replay ended the episode at action {i + 1} of {len(actions)}: the env is "
                     "not deterministic given its seed. Use PickleSnapshot for this env."
                 )
-        wrappers = _walk_wrappers(self.env)
+        wrappers = walk_wrappers(self.env)
         if len(wrappers) != len(layers):
             raise SnapshotMismatchError(
                 "the wrapper stack below ReplaySnapshot differs from the one snapshotted; "

@@ -437,8 +437,12 @@ def _pddl_state_class() -> type:
     return EnginePddlState
 
 
-def _fact_data(prop: Any) -> Fact:
+def fact_data(prop: Any) -> Fact:
+    """A TextWorld proposition as plain data: ``(name, ((variable, type), ...))``."""
     return (prop.name, tuple((v.name, v.type) for v in prop.arguments))
+
+
+_fact_data = fact_data  # former private name
 
 
 def _proposition(fact: Fact) -> Any:
@@ -608,8 +612,8 @@ def fact_delta(static: _GameStatic, facts: _Facts) -> tuple[tuple[Fact, ...], tu
     """Facts added to and removed from the game's initial facts (portable, sorted)."""
     current = facts.propositions()
     initial = static.initial_facts
-    added = tuple(sorted(_fact_data(p) for p in current - initial))
-    removed = tuple(sorted(_fact_data(p) for p in initial - current))
+    added = tuple(sorted(fact_data(p) for p in current - initial))
+    removed = tuple(sorted(fact_data(p) for p in initial - current))
     return added, removed
 
 
@@ -864,7 +868,7 @@ class Engine:
         for item in self._static.parsed:
             if isinstance(item, list) and item and item[0] == ":init":
                 init += [f for f in item[1:] if isinstance(f, list) and f and f[0] == "="]
-        atoms = sorted(_fact_data(p) for p in facts.propositions() if not p.name.startswith("not_"))
+        atoms = sorted(fact_data(p) for p in facts.propositions() if not p.name.startswith("not_"))
         init += [[name, *(a for a, _ in args)] for name, args in atoms]
         parts = [
             init if isinstance(item, list) and item and item[0] == ":init" else item
