@@ -53,6 +53,9 @@ __all__ = [
     "reseed",
     "register_wrapper_state",
     "declare_stateless",
+    "spec_identity",
+    "stack_identity",
+    "open_snapshot",
     "wrapper_state_handler",
     "walk_wrappers",
     "capture_wrapper_state",
@@ -341,6 +344,82 @@ class StackSnapshot(Snapshot):
 # ------------------------------------------------------------------------ env protocol
 
 
+# ------------------------------------------------------------------ snapshot identity
+#
+# A snapshot is stamped with ``(env_id, spec_hash)`` when it is taken and restores only
+# where the same pair is computed. These three functions are the one place the pair is
+# computed and checked: SnapshottableEnv, PickleSnapshot and ReplaySnapshot all use them.
+
+
+def spec_identity(env_id: str, config: Any) -> tuple[str, str]:
+    """``(env_id, spec_hash)``: ``config`` (spec kwargs) hashed with :func:`stable_hash`.
+
+    A config holding values without a canonical encoding hashes its ``repr`` instead
+    (a dict's items sorted by key, as :func:`stable_hash` orders mappings).
+    """
+    try:
+        return env_id, stable_hash(config)
+    except TypeError:
+        if isinstance(config, dict):
+            config = sorted(config.items(), key=lambda kv: kv[0])
+        return env_id, stable_hash(repr(config))
+
+
+def stack_identity(env: gym.Env) -> tuple[str, str]:
+    """The identity of the base env below ``env``: its spec id and kwargs.
+
+    Used by wrappers that snapshot a whole stack (``PickleSnapshot``, ``ReplaySnapshot``);
+    a base env built without ``gym.make`` is named by its class.
+    """
+    base = env.unwrapped
+    spec = base.spec
+    if spec is not None:
+        return spec_identity(spec.id, dict(spec.kwargs))
+    return spec_identity(f"{type(base).__module__}:{type(base).__qualname__}", {})
+
+
+def open_snapshot(snapshot: Any, identity: tuple[str, str], *, kind: str | None = None) -> Any:
+    """Check that ``snapshot`` was taken where ``identity`` holds and return its payload.
+
+    Args:
+        snapshot: What was passed to ``restore``.
+        identity: ``(env_id, spec_hash)`` of the env restoring it.
+        kind: When given, the snapshot's ``kind`` must be this one too.
+
+    Raises:
+        SnapshotMismatchError: not a :class:`Snapshot`, a :class:`StackSnapshot` (restore
+            those with :func:`restore`), another env id or spec kwargs, or another kind.
+        SnapshotCorruptError: the payload is released or corrupt.
+    """
+    if not isinstance(snapshot, Snapshot):
+        raise SnapshotMismatchError(
+            f"restore() takes a branchgym Snapshot, got {type(snapshot).__name__}; "
+            "pass the object env.snapshot() returned (or Snapshot.from_bytes(data))."
+        )
+    if isinstance(snapshot, StackSnapshot):
+        raise SnapshotMismatchError(
+            f"this snapshot was taken over a wrapper stack "
+            f"({', '.join(p.rsplit('.', 1)[-1] for p, _ in snapshot.layers)}); restore it "
+            "with branchgym.restore(env, snap) on a stack built the same way, not on the "
+            "bare env."
+        )
+    payload = snapshot.payload  # raises if released or corrupt
+    env_id, spec_hash = identity
+    if snapshot.env_id != env_id or snapshot.spec_hash != spec_hash:
+        what = "env id" if snapshot.env_id != env_id else "spec kwargs"
+        raise SnapshotMismatchError(
+            f"snapshot of {snapshot.env_id} [{snapshot.spec_hash[:8]}] cannot restore into "
+            f"{env_id} [{spec_hash[:8]}]: the {what} differ. Restore into an env made with "
+            "the same id and kwargs."
+        )
+    if kind is not None and snapshot.kind != kind:
+        raise SnapshotMismatchError(
+            f"a {snapshot.kind!r} snapshot of {snapshot.env_id} cannot restore where "
+            f"{kind!r} snapshots are taken; restore into an env made the same way."
+        )
+    return payload
+
+
 class SnapshottableEnv(gym.Env[ObsType, ActType], Generic[ObsType, ActType]):
     """A Gymnasium env whose state can be saved and restored.
 
@@ -402,13 +481,9 @@ class SnapshottableEnv(gym.Env[ObsType, ActType], Generic[ObsType, ActType]):
             if spec is not None
             else (self.default_env_id or f"{type(self).__module__}:{type(self).__qualname__}")
         )
-        config = self._snapshot_config()
-        try:
-            spec_hash = stable_hash(config)
-        except TypeError:
-            spec_hash = stable_hash(repr(config))
-        self.__dict__["_bg_identity"] = (spec, (env_id, spec_hash))
-        return env_id, spec_hash
+        identity = spec_identity(env_id, self._snapshot_config())
+        self.__dict__["_bg_identity"] = (spec, identity)
+        return identity
 
     # -- the protocol -------------------------------------------------------------------
     def snapshot(self) -> Snapshot:
@@ -471,29 +546,8 @@ class SnapshottableEnv(gym.Env[ObsType, ActType], Generic[ObsType, ActType]):
         )
 
     def _open_snapshot(self, snapshot: Any) -> Any:
-        """Check that ``snapshot`` belongs here and return its payload."""
-        if not isinstance(snapshot, Snapshot):
-            raise SnapshotMismatchError(
-                f"restore() takes a branchgym Snapshot, got {type(snapshot).__name__}; "
-                "pass the object env.snapshot() returned (or Snapshot.from_bytes(data))."
-            )
-        if isinstance(snapshot, StackSnapshot):
-            raise SnapshotMismatchError(
-                f"this snapshot was taken over a wrapper stack "
-                f"({', '.join(p.rsplit('.', 1)[-1] for p, _ in snapshot.layers)}); restore it "
-                "with branchgym.restore(env, snap) on a stack built the same way, not on the "
-                "bare env."
-            )
-        payload = snapshot.payload  # raises if released or corrupt
-        env_id, spec_hash = self.snapshot_identity()
-        if snapshot.env_id != env_id or snapshot.spec_hash != spec_hash:
-            what = "env id" if snapshot.env_id != env_id else "spec kwargs"
-            raise SnapshotMismatchError(
-                f"snapshot of {snapshot.env_id} [{snapshot.spec_hash[:8]}] cannot restore into "
-                f"{env_id} [{spec_hash[:8]}]: the {what} differ. Restore into an env made with "
-                "the same id and kwargs."
-            )
-        return payload
+        """Check that ``snapshot`` belongs here and return its payload (:func:`open_snapshot`)."""
+        return open_snapshot(snapshot, self.snapshot_identity())
 
     def _rng_state(self) -> dict[str, Any] | None:
         rng = self.__dict__.get("_np_random")
@@ -823,6 +877,44 @@ class SnapshotWrapper(gym.Wrapper[ObsType, ActType, ObsType, ActType]):
 
         base = self.env.unwrapped
         base._np_random, base._np_random_seed = seeding.np_random(seed)
+
+    # -- helpers for subclasses that snapshot the stack below them ---------------------
+    #: The ``kind`` of the snapshots this wrapper takes (and accepts on restore); set by
+    #: subclasses that use these helpers.
+    snapshot_kind: ClassVar[str]
+
+    def _new_snapshot(self, payload: Any, *, step: int, **fields: Any) -> Snapshot:
+        """Wrap ``payload`` in a :class:`Snapshot` stamped with the stack's identity."""
+        env_id, spec_hash = stack_identity(self.env)
+        return Snapshot(
+            env_id=env_id,
+            spec_hash=spec_hash,
+            step=step,
+            kind=self.snapshot_kind,
+            payload=payload,
+            picklable=True,
+            **fields,
+        )
+
+    def _open_snapshot(self, snapshot: Any) -> Any:
+        """Check that ``snapshot`` was taken by this kind of wrapper over this stack."""
+        return open_snapshot(snapshot, stack_identity(self.env), kind=self.snapshot_kind)
+
+    def _capture_layers(self) -> tuple[dict[str, Any], ...]:
+        """The state of every wrapper below this one, outer to inner."""
+        return tuple(capture_wrapper_state(w) for w in walk_wrappers(self.env))
+
+    def _restore_layers(self, layers: tuple[dict[str, Any], ...], *, copy_values: bool) -> None:
+        """Put back what :meth:`_capture_layers` took, on a stack built the same way."""
+        wrappers = walk_wrappers(self.env)
+        if len(wrappers) != len(layers):
+            raise SnapshotMismatchError(
+                f"the wrapper stack below {type(self).__name__} differs from the one "
+                "snapshotted; build the env with the same wrappers."
+            )
+        for w, state in zip(wrappers, layers, strict=True):
+            for name, value in state.items():
+                setattr(w, name, copy.deepcopy(value) if copy_values else value)
 
 
 class SnapshotAPI(gym.Wrapper[ObsType, ActType, ObsType, ActType], gym.utils.RecordConstructorArgs):

@@ -15,17 +15,15 @@ import pickle
 from typing import Any
 
 import gymnasium as gym
-from branchgym.wrappers._identity import stack_identity
 
 from branchgym.core import (
     Snapshot,
     SnapshotWrapper,
-    capture_wrapper_state,
     walk_wrappers,
     wrapper_state_handler,
 )
 from branchgym.digest import stable_hash
-from branchgym.error import ResetNeededError, SnapshotCorruptError, SnapshotMismatchError
+from branchgym.error import ResetNeededError, SnapshotCorruptError
 
 __all__ = ["PickleSnapshot"]
 
@@ -86,8 +84,7 @@ class PickleSnapshot(SnapshotWrapper, gym.utils.RecordConstructorArgs):
         return obs, reward, terminated, truncated, info
 
     def _state(self) -> tuple[Any, ...]:
-        wrappers = walk_wrappers(self.env)
-        layers = tuple(capture_wrapper_state(w) for w in wrappers)
+        layers = self._capture_layers()
         base = self.env.unwrapped
         base_state = {k: v for k, v in base.__dict__.items() if k not in self._exclude}
         return layers, base_state
@@ -98,33 +95,13 @@ class PickleSnapshot(SnapshotWrapper, gym.utils.RecordConstructorArgs):
             raise ResetNeededError("Cannot snapshot before reset(); call env.reset() first.")
         layers, base_state = self._state()
         blob = _dumps((layers, base_state, self._last, self._steps))
-        env_id, spec_hash = stack_identity(self.env)
-        return Snapshot(
-            env_id=env_id,
-            spec_hash=spec_hash,
-            step=self._steps,
-            kind=self.snapshot_kind,
-            payload=(blob, hashlib.sha256(blob).hexdigest()),
-            picklable=True,
-            nbytes=len(blob),
+        return self._new_snapshot(
+            (blob, hashlib.sha256(blob).hexdigest()), step=self._steps, nbytes=len(blob)
         )
 
     def restore(self, snapshot: Snapshot) -> tuple[Any, dict[str, Any]]:
         """Unpickle a fresh copy of the saved state into this stack."""
-        if not isinstance(snapshot, Snapshot):
-            raise SnapshotMismatchError(
-                f"restore() takes a branchgym Snapshot, got {type(snapshot).__name__}."
-            )
-        payload = snapshot.payload
-        env_id, spec_hash = stack_identity(self.env)
-        if (snapshot.env_id, snapshot.spec_hash) != (
-            env_id,
-            spec_hash,
-        ) or snapshot.kind != "pickle":
-            raise SnapshotMismatchError(
-                f"snapshot of {snapshot.env_id} ({snapshot.kind}) cannot restore into a "
-                f"PickleSnapshot over {env_id}; restore into an env made the same way."
-            )
+        payload = self._open_snapshot(snapshot)
         try:
             blob, checksum = payload
         except (TypeError, ValueError) as exc:
@@ -140,15 +117,7 @@ class PickleSnapshot(SnapshotWrapper, gym.utils.RecordConstructorArgs):
             raise SnapshotCorruptError(
                 f"PickleSnapshot payload cannot be unpickled: {exc}"
             ) from exc
-        wrappers = walk_wrappers(self.env)
-        if len(wrappers) != len(layers):
-            raise SnapshotMismatchError(
-                "the wrapper stack below PickleSnapshot differs from the one snapshotted; "
-                "build the env with the same wrappers."
-            )
-        for w, state in zip(wrappers, layers, strict=True):
-            for name, value in state.items():
-                setattr(w, name, value)
+        self._restore_layers(layers, copy_values=False)  # fresh from pickle.loads
         self.env.unwrapped.__dict__.update(base_state)
         self._last = last
         self._steps = steps
