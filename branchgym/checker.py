@@ -36,6 +36,7 @@ __all__ = [
     "check_env",
     "ActionChooser",
     "run_actions",
+    "rollout_actions",
     "volatile_keys",
     "CHECKS",
 ]
@@ -141,8 +142,14 @@ def run_actions(env: gym.Env, actions: list[Any]) -> list[tuple[Any, ...]]:
     return out
 
 
-def _rollout_actions(env: gym.Env, info: dict, chooser: ActionChooser, n: int) -> list[Any]:
-    """Choose and take ``n`` actions on ``env`` (stops early at episode end)."""
+def rollout_actions(
+    env: gym.Env, info: dict[str, Any], chooser: ActionChooser, n: int
+) -> list[Any]:
+    """Choose and take up to ``n`` actions on ``env`` from ``info``; returns those taken.
+
+    Stops early at episode end. Used by the checks here and the fidelity suite
+    (:mod:`branchgym.testing`) to pick a future on a model copy of the env.
+    """
     actions = []
     for _ in range(n):
         a = chooser(info)
@@ -177,7 +184,7 @@ def _prepare(factory: EnvFactory, seed: int, prefix_len: int, future_len: int) -
             obs, info = env.reset(seed=seed)
             prefix = []
     model, model_info = _model(factory, seed, prefix)
-    future = _rollout_actions(model, model_info, chooser, future_len)
+    future = rollout_actions(model, model_info, chooser, future_len)
     model.close()
     return _Setup(env, seed, prefix, future, obs, info)
 
@@ -429,3 +436,4 @@ def as_factory(env: gym.Env | EnvFactory | str) -> tuple[str, EnvFactory]:
 # Former private names, kept for code that imported them before they were made public.
 _strip = strip_volatile
 _as_factory = as_factory
+_rollout_actions = rollout_actions

@@ -50,7 +50,14 @@ from typing import Any
 import gymnasium as gym
 import numpy as np
 
-from branchgym.checker import ActionChooser, as_factory, run_actions, strip_volatile, volatile_keys
+from branchgym.checker import (
+    ActionChooser,
+    as_factory,
+    rollout_actions,
+    run_actions,
+    strip_volatile,
+    volatile_keys,
+)
 from branchgym.compare import first_difference, first_step_difference
 from branchgym.core import restore, snapshot, state_digest
 from branchgym.digest import stable_hash
@@ -1023,7 +1030,7 @@ def _distribution_phase(
             snap = snapshot(env)
             stats.snapshots += 1
             _, m_info, _ = _replay_to(model, s, prefix)
-            actions = _rollout(model, m_info, ActionChooser(model, s + 1), horizon)
+            actions = rollout_actions(model, m_info, ActionChooser(model, s + 1), horizon)
             _replay_to(model, s, prefix)
             exact = run_actions(model, actions)
             restored = []
@@ -1112,15 +1119,7 @@ def _distribution_phase(
     return results, None, None
 
 
-def _rollout(env: gym.Env, info: dict[str, Any], chooser: ActionChooser, n: int) -> list[Any]:
-    actions = []
-    for _ in range(n):
-        a = chooser(info)
-        actions.append(a)
-        _, _, term, trunc, info = env.step(a)
-        if term or trunc:
-            break
-    return actions
+_rollout = rollout_actions  # former private copy of checker.rollout_actions
 
 
 # ------------------------------------------------------------------------ report
