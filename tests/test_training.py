@@ -19,6 +19,7 @@ from branchgym.agents import (  # noqa: E402
     bellman_po,
     bpo,
     branch_opd,
+    forward,
     grpo,
     losses,
     pbr,
@@ -365,7 +366,7 @@ def test_recomputed_logprobs_equal_the_behaviour_logprobs(
     model = tiny_engine.model
     if bucketed:
         # A small forward budget: rows are scored in several length-sorted batches.
-        monkeypatch.setattr(training, "FORWARD_TOKENS", 900)
+        monkeypatch.setattr(forward, "FORWARD_TOKENS", 900)
     if short_context:
         # Prompts then drop their oldest turns: decisions no longer share one sequence,
         # and each run of them is scored in its own context.
@@ -385,7 +386,7 @@ def test_recomputed_logprobs_equal_the_behaviour_logprobs(
     if bucketed:
         k = POLICIES[kind]
         lengths = [len(k.sequence(pol, sub)[0]) for r in batch.rows for sub in k.runs(pol, r)]
-        buckets = training.length_buckets(lengths, training.FORWARD_TOKENS)
+        buckets = forward.length_buckets(lengths, forward.FORWARD_TOKENS)
         assert len(buckets) > 1 and max(map(len, buckets)) > 1
     lps, _ = POLICIES[kind].logprobs(pol, model, batch.rows, torch.device("cpu"))
     for row, per in zip(batch.rows, lps, strict=True):
