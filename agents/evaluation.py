@@ -32,7 +32,7 @@ from branchgym.agents.policy import Context, Turn
 
 import branchgym
 from branchgym.error import TrainingConfigError
-from branchgym.executors import EnvSpec, Executor
+from branchgym.executors import EnvRecipe, Executor
 from branchgym.rollout import group_rollouts
 from branchgym.tree import RolloutTree
 
@@ -66,7 +66,7 @@ class ExactValue:
     states: int
 
 
-def supports_exact(spec: EnvSpec, policy: Any) -> bool:
+def supports_exact(spec: EnvRecipe, policy: Any) -> bool:
     """Whether :func:`exact_value` applies: a TextTreeMDP env and a scoring policy."""
     from branchgym.agents.scoring import ScoringPolicy
 
@@ -74,11 +74,11 @@ def supports_exact(spec: EnvSpec, policy: Any) -> bool:
     return isinstance(inner, ScoringPolicy) and spec.id == "branchgym/TextTreeMDP-v0"
 
 
-def exact_value(spec: EnvSpec, policy: Any, *, max_states: int = 5_000) -> ExactValue:
+def exact_value(spec: EnvRecipe, policy: Any, *, max_states: int = 5_000) -> ExactValue:
     """``V^pi(s_0)`` of a :class:`~branchgym.agents.scoring.ScoringPolicy` on a TextTreeMDP.
 
     Args:
-        spec: The TextTreeMDP spec (``EnvSpec("branchgym/TextTreeMDP-v0", kwargs)``).
+        spec: The TextTreeMDP spec (``EnvRecipe("branchgym/TextTreeMDP-v0", kwargs)``).
         policy: A scoring policy (its ``distribution(context)`` gives ``pi(.|s)``).
         max_states: Refuse mazes with more non-terminal states than this.
 
@@ -201,7 +201,7 @@ class EvalResult:
 
 
 def evaluate(
-    spec: EnvSpec,
+    spec: EnvRecipe,
     policy: Any,
     *,
     episodes: int,

@@ -82,7 +82,7 @@ from branchgym.agents.rows import (
 )
 
 from branchgym.error import CheckpointError, DependencyMissingError, TrainingConfigError
-from branchgym.executors import EnvSpec, make_executor
+from branchgym.executors import EnvRecipe, make_executor
 
 try:
     import torch
@@ -231,7 +231,7 @@ class Run:
         self.kind = POLICIES[name]
         self.policy = self.kind.make(self.engine, args)
         self.behaviour = _Autocast(self.policy, self.autocast) if self.bf16 else self.policy
-        self.spec = EnvSpec(args.env_id, self._env_kwargs(args.env_kwargs))
+        self.spec = EnvRecipe(args.env_id, self._env_kwargs(args.env_kwargs))
         self._check_env()
         self.executor = make_executor(args.executor)
         params = [p for p in self.model.parameters() if p.requires_grad]

@@ -141,3 +141,11 @@ def test_former_private_names_still_resolve():
     assert checker._as_factory is checker.as_factory
     assert training._require is training.require
     assert training._choice is training.require_one_of
+
+
+def test_renamed_classes_keep_their_former_names():
+    from branchgym import executors
+    from branchgym.bench import runs
+
+    assert executors.EnvSpec is executors.EnvRecipe  # not Gymnasium's EnvSpec
+    assert runs.Run is runs.SeedResult  # not agents.training.Run

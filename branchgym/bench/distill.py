@@ -86,11 +86,11 @@ def _table(checkpoint: str, env_kwargs: dict[str, Any], threads: int) -> np.ndar
     from branchgym.agents.evaluation import exact_value
     from branchgym.agents.models import load_model
     from branchgym.agents.scoring import ScoringPolicy
-    from branchgym.executors import EnvSpec
+    from branchgym.executors import EnvRecipe
 
     model, tok = load_model(checkpoint)
     engine = HFEngine(model, tok, threads=threads)
-    spec = EnvSpec("branchgym/TextTreeMDP-v0", env_kwargs)
+    spec = EnvRecipe("branchgym/TextTreeMDP-v0", env_kwargs)
     return exact_value(spec, ScoringPolicy(engine)).table
 
 
