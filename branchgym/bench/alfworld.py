@@ -106,8 +106,7 @@ def measure(problem: Any, depth: int, *, repeats: int, seed: int) -> dict[str, A
             # As in a process that has never seen this game: no translation, no per-game
             # setup (only the base grammar, parsed once per process for all games, is kept).
             fresh = ALFWorldEnv([problem])
-            engine_mod._TRANSLATIONS.data.clear()
-            engine_mod._STATICS.data.clear()
+            engine_mod.clear_game_caches()
             t0 = time.perf_counter()
             fresh.restore(pickle.loads(blob))
             cold.append(time.perf_counter() - t0)

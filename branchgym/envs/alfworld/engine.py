@@ -59,6 +59,7 @@ __all__ = [
     "Fact",
     "alfred_domain",
     "alfred_grammar",
+    "clear_game_caches",
     "engine_available",
     "require_engine",
     "set_parse_cache",
@@ -576,6 +577,16 @@ class _GameStatic:
 
 
 _STATICS = _LRU(256)
+
+
+def clear_game_caches() -> None:
+    """Forget every game's translation and per-game setup (the base grammar stays).
+
+    The next restore of a portable snapshot then costs what it costs in a process that
+    has never seen the game (what ``branchgym bench snapshot`` times as "cold").
+    """
+    _TRANSLATIONS.data.clear()
+    _STATICS.data.clear()
 
 
 def _atom_keys(facts: _Facts) -> set[tuple[str, tuple[str, ...]]]:
