@@ -21,6 +21,10 @@ stay where they were taken, and their siblings run on that worker.
 A crash (an exception in the sandbox, a dead worker process or actor) or a timeout in
 one call is reported in that call's :class:`Outcome` and ends only that session; the
 executor replaces a lost worker and goes on.
+
+Why this module is over 600 lines: every executor (in-process, threads, processes, Ray)
+drives the same :class:`EnvWorker` through its ``op_*`` calls, and the worker and its
+callers must agree call by call; one module keeps that protocol in one place.
 """
 
 from __future__ import annotations

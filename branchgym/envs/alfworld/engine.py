@@ -27,6 +27,10 @@ planner's goal test) and adds what branching needs:
 
 Translations and parsed grammars are cached per process, so resetting to a game an engine
 has seen, or restoring one snapshot into K sibling engines, translates once.
+
+Why this module is over 600 lines: the library pool, the translation cache, the game
+logic and the state capture all act on one loaded copy of ``libdownward`` and share its
+invariants (a copy is never ``dlclose``-d; a fast capture is valid only in its epoch).
 """
 
 from __future__ import annotations
