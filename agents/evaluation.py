@@ -28,11 +28,11 @@ from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
-from branchgym.agents.policy import Context, Turn
 
 import branchgym
 from branchgym.error import TrainingConfigError
 from branchgym.executors import EnvRecipe, Executor
+from branchgym.policy import Context, Turn
 from branchgym.rollout import group_rollouts
 from branchgym.tree import RolloutTree
 

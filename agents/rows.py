@@ -19,9 +19,9 @@ from typing import Any
 
 import numpy as np
 from branchgym.agents.evaluation import success_of
-from branchgym.agents.policy import Context, Turn
 
 from branchgym.error import DependencyMissingError
+from branchgym.policy import Context, Turn
 from branchgym.tree import RolloutTree
 
 try:

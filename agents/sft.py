@@ -28,7 +28,6 @@ from typing import Any
 import numpy as np
 import torch
 from branchgym.agents import losses
-from branchgym.agents.policy import admissible_actions
 from branchgym.agents.training import (
     Batch,
     Chunk,
@@ -42,6 +41,7 @@ from branchgym.agents.training import (
 from tqdm import tqdm
 
 from branchgym.error import TrainingConfigError
+from branchgym.policy import admissible_actions
 from branchgym.tree import RolloutTree
 
 __all__ = ["AUTO_EXPERTS", "EXPERTS", "Args", "collect", "loss", "main"]
