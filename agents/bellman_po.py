@@ -32,9 +32,9 @@ from branchgym.agents.training import (
     Run,
     TrainArgs,
     TrainResult,
-    _require,
     advantage_metrics,
     ratio_spread,
+    require,
     rollout_metrics,
 )
 
@@ -74,10 +74,10 @@ class Args(TrainArgs):
     def check(self) -> None:
         """Ranges of the Bellman PO options."""
         super().check()
-        _require(self.g >= 2, f"a group needs G >= 2 responses; got {self.g}.")
-        _require(self.omega_eps > 0, f"omega_eps must be > 0 (0.1); got {self.omega_eps}.")
-        _require(self.cap > 0, f"cap C must be > 0 (3.0); got {self.cap}.")
-        _require(self.eps_high >= 0 and self.eps_low >= 0, "eps_high and eps_low must be >= 0.")
+        require(self.g >= 2, f"a group needs G >= 2 responses; got {self.g}.")
+        require(self.omega_eps > 0, f"omega_eps must be > 0 (0.1); got {self.omega_eps}.")
+        require(self.cap > 0, f"cap C must be > 0 (3.0); got {self.cap}.")
+        require(self.eps_high >= 0 and self.eps_low >= 0, "eps_high and eps_low must be >= 0.")
 
 
 def loss(args: Args, c: Chunk) -> tuple[torch.Tensor, dict[str, float]]:

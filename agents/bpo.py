@@ -38,9 +38,9 @@ from branchgym.agents.training import (
     Run,
     TrainArgs,
     TrainResult,
-    _choice,
-    _require,
     advantage_metrics,
+    require,
+    require_one_of,
     rollout_metrics,
 )
 
@@ -115,19 +115,19 @@ class Args(TrainArgs):
     def check(self) -> None:
         """Ranges of the Branching PO options."""
         super().check()
-        _require(self.m >= 0, f"m (branch points) must be >= 0; got {self.m}.")
-        _require(self.k >= 1, f"k (siblings per branch point) must be >= 1; got {self.k}.")
-        _require(0.0 <= self.lam <= 1.0, f"lam must be in [0, 1] (0.95); got {self.lam}.")
-        _require(self.eps >= 0 and self.beta >= 0, "eps and beta must be >= 0.")
-        _require(self.fallback_n >= 2, "fallback_n needs at least 2 backbones per prompt.")
-        _choice("schedule", self.schedule, SCHEDULE_OPTIONS)
-        _choice("entropy_reduce", self.entropy_reduce, ENTROPY_REDUCTIONS)
-        _choice("gap_unit", self.gap_unit, ("auto", "tokens", "steps"))
-        _choice("tail", self.tail, losses.TAILS)
-        _choice("aggregation", self.aggregation, losses.AGGREGATIONS)
-        _choice("kl_estimator", self.kl_estimator, losses.KL_ESTIMATORS)
-        _choice("keep", self.keep, KEEP_MODES)
-        _choice("env_noise", self.env_noise, ("fresh", "shared"))
+        require(self.m >= 0, f"m (branch points) must be >= 0; got {self.m}.")
+        require(self.k >= 1, f"k (siblings per branch point) must be >= 1; got {self.k}.")
+        require(0.0 <= self.lam <= 1.0, f"lam must be in [0, 1] (0.95); got {self.lam}.")
+        require(self.eps >= 0 and self.beta >= 0, "eps and beta must be >= 0.")
+        require(self.fallback_n >= 2, "fallback_n needs at least 2 backbones per prompt.")
+        require_one_of("schedule", self.schedule, SCHEDULE_OPTIONS)
+        require_one_of("entropy_reduce", self.entropy_reduce, ENTROPY_REDUCTIONS)
+        require_one_of("gap_unit", self.gap_unit, ("auto", "tokens", "steps"))
+        require_one_of("tail", self.tail, losses.TAILS)
+        require_one_of("aggregation", self.aggregation, losses.AGGREGATIONS)
+        require_one_of("kl_estimator", self.kl_estimator, losses.KL_ESTIMATORS)
+        require_one_of("keep", self.keep, KEEP_MODES)
+        require_one_of("env_noise", self.env_noise, ("fresh", "shared"))
 
 
 def _valid_sibling(tree: RolloutTree, node: int) -> bool:

@@ -48,10 +48,10 @@ from branchgym.agents.training import (
     Run,
     TrainArgs,
     TrainResult,
-    _choice,
-    _require,
     advantage_metrics,
     path_decisions,
+    require,
+    require_one_of,
     rollout_metrics,
 )
 
@@ -124,17 +124,17 @@ class Args(TrainArgs):
                 "folder sharing the student's tokenizer, e.g. an SFT checkpoint: branchgym "
                 "train --algo sft ..., then teacher=<out_dir>/checkpoint-NNNNNN)."
             )
-        _choice("rollouts", self.rollouts, ROLLOUTS)
-        _choice("fork_mode", self.fork_mode, ("turns", "tokens"))
-        _choice("window_mode", self.window_mode, ("forward", "backward", "centered"))
-        _choice("keep", self.keep, KEEP_MODES)
-        _choice("student", self.student, ("current", "old"))
-        _choice("pbr", self.pbr, DETECTOR_SETS)
-        _choice("pbr_cap_mode", self.pbr_cap_mode, losses.PBR_CAPS)
-        _require(self.b >= 0 and self.k >= 1, f"need b >= 0, k >= 1; got {self.b}, {self.k}.")
-        _require(self.n >= 1, f"n must be >= 1; got {self.n}.")
-        _require(0.0 <= self.alpha <= 1.0, f"alpha must be in [0, 1]; got {self.alpha}.")
-        _require(self.delta > 0 and self.eps >= 0, "delta must be > 0 and eps >= 0.")
+        require_one_of("rollouts", self.rollouts, ROLLOUTS)
+        require_one_of("fork_mode", self.fork_mode, ("turns", "tokens"))
+        require_one_of("window_mode", self.window_mode, ("forward", "backward", "centered"))
+        require_one_of("keep", self.keep, KEEP_MODES)
+        require_one_of("student", self.student, ("current", "old"))
+        require_one_of("pbr", self.pbr, DETECTOR_SETS)
+        require_one_of("pbr_cap_mode", self.pbr_cap_mode, losses.PBR_CAPS)
+        require(self.b >= 0 and self.k >= 1, f"need b >= 0, k >= 1; got {self.b}, {self.k}.")
+        require(self.n >= 1, f"n must be >= 1; got {self.n}.")
+        require(0.0 <= self.alpha <= 1.0, f"alpha must be in [0, 1]; got {self.alpha}.")
+        require(self.delta > 0 and self.eps >= 0, "delta must be > 0 and eps >= 0.")
 
 
 # ------------------------------------------------------------------ rollouts

@@ -1,4 +1,10 @@
-"""Exact evaluation of a scoring policy on TextTreeMDP: no sampling noise at all.
+"""Evaluation: success of a rollout, the fixed-seed evaluation set, and exact values.
+
+* :func:`success_of`: whether a path succeeded (the env's own flag, else its return).
+* :func:`evaluate`: success and return of a policy over fixed reset seeds, paired across
+  checkpoints (:class:`EvalResult`).
+* :func:`exact_value`: exact evaluation of a scoring policy on TextTreeMDP, no
+  sampling noise at all (below).
 
 In a tree MDP every state has a unique history, so the dialogue a policy sees in a state
 is a function of the state alone, and a policy over the admissible actions is a table
@@ -17,16 +23,28 @@ observations are exactly the env's.
 from __future__ import annotations
 
 import dataclasses
+import math
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
-from branchgym.agents.policy import Context, Turn
 
 import branchgym
 from branchgym.error import TrainingConfigError
-from branchgym.executors import EnvSpec
+from branchgym.executors import EnvRecipe, Executor
+from branchgym.policy import Context, Turn
+from branchgym.rollout import group_rollouts
+from branchgym.tree import RolloutTree
 
-__all__ = ["ExactValue", "exact_value", "supports_exact"]
+__all__ = [
+    "SUCCESS_KEYS",
+    "EvalResult",
+    "ExactValue",
+    "evaluate",
+    "exact_value",
+    "success_of",
+    "supports_exact",
+]
 
 #: restores per wanted next state before giving up (a child of probability 1e-3 needs ~1e3)
 MAX_TRIES = 20_000
@@ -48,7 +66,7 @@ class ExactValue:
     states: int
 
 
-def supports_exact(spec: EnvSpec, policy: Any) -> bool:
+def supports_exact(spec: EnvRecipe, policy: Any) -> bool:
     """Whether :func:`exact_value` applies: a TextTreeMDP env and a scoring policy."""
     from branchgym.agents.scoring import ScoringPolicy
 
@@ -56,11 +74,11 @@ def supports_exact(spec: EnvSpec, policy: Any) -> bool:
     return isinstance(inner, ScoringPolicy) and spec.id == "branchgym/TextTreeMDP-v0"
 
 
-def exact_value(spec: EnvSpec, policy: Any, *, max_states: int = 5_000) -> ExactValue:
+def exact_value(spec: EnvRecipe, policy: Any, *, max_states: int = 5_000) -> ExactValue:
     """``V^pi(s_0)`` of a :class:`~branchgym.agents.scoring.ScoringPolicy` on a TextTreeMDP.
 
     Args:
-        spec: The TextTreeMDP spec (``EnvSpec("branchgym/TextTreeMDP-v0", kwargs)``).
+        spec: The TextTreeMDP spec (``EnvRecipe("branchgym/TextTreeMDP-v0", kwargs)``).
         policy: A scoring policy (its ``distribution(context)`` gives ``pi(.|s)``).
         max_states: Refuse mazes with more non-terminal states than this.
 
@@ -130,3 +148,105 @@ def exact_value(spec: EnvSpec, policy: Any, *, max_states: int = 5_000) -> Exact
         for snap, _ in stack:  # left over after an error
             snap.release()
         env.close()
+
+
+SUCCESS_KEYS = ("won", "success", "resolved")
+
+
+def success_of(tree: RolloutTree, path: Sequence[int], threshold: float = 1.0) -> bool:
+    """Whether the rollout ``path`` succeeded: the env's own flag, else return >= threshold."""
+    if not path:
+        return False
+    info = tree[path[-1]].info or {}
+    for key in SUCCESS_KEYS:
+        if key in info and isinstance(info[key], bool | np.bool_):
+            return bool(info[key])
+    return float(tree.path_returns_to_go(path)[0]) >= threshold - 1e-9
+
+
+@dataclasses.dataclass(frozen=True)
+class EvalResult:
+    """Success and return over the fixed evaluation set (standard errors across episodes).
+
+    Attributes:
+        episodes: Episodes run.
+        success: Share that succeeded.
+        success_se: Its standard error.
+        ret: Mean return.
+        ret_se: Its standard error.
+        invalid_frac: Share of decisions whose reply was not a valid action.
+        exact: The exact expected return, where computable (TextTreeMDP + scoring).
+    """
+
+    episodes: int
+    success: float
+    success_se: float
+    ret: float
+    ret_se: float
+    invalid_frac: float = 0.0
+    exact: float | None = None
+
+    def metrics(self, prefix: str = "eval/") -> dict[str, float]:
+        """Namespaced floats."""
+        out = {
+            f"{prefix}success": self.success,
+            f"{prefix}success_se": self.success_se,
+            f"{prefix}return": self.ret,
+            f"{prefix}return_se": self.ret_se,
+            f"{prefix}invalid_frac": self.invalid_frac,
+        }
+        if self.exact is not None:
+            out[f"{prefix}exact_value"] = self.exact
+        return out
+
+
+def evaluate(
+    spec: EnvRecipe,
+    policy: Any,
+    *,
+    episodes: int,
+    seed: int,
+    executor: Executor | None = None,
+    max_steps: int | None = None,
+    success_threshold: float = 1.0,
+    exact: bool = True,
+) -> EvalResult:
+    """Run ``policy`` once on each of ``episodes`` fixed reset seeds (``seed + i``).
+
+    The policy's sampling for episode ``i`` is seeded with ``(seed, i)``, so two
+    evaluations of different checkpoints are paired (common random numbers). On
+    TextTreeMDP with the scoring policy the exact expected return is added
+    (:func:`branchgym.agents.evaluation.exact_value`).
+    """
+    succ, rets, invalid = [], [], []
+    for i in range(episodes):
+        tree = group_rollouts(
+            spec,
+            policy,
+            1,
+            seed=seed + i,
+            executor=executor,
+            max_steps=max_steps,
+            rng=np.random.default_rng([seed, i]),
+        )
+        path = tree.paths()[0] if tree.paths() else []
+        rets.append(float(tree.path_returns_to_go(path)[0]) if path else 0.0)
+        succ.append(float(success_of(tree, path, success_threshold)))
+        invalid.extend(tree[n].parse_error is not None for n in path)
+    value = None
+    if exact and supports_exact(spec, policy):
+        value = exact_value(spec, policy).value
+    n = max(episodes, 1)
+
+    def se(x: list[float]) -> float:
+        return float(np.std(x, ddof=1) / math.sqrt(n)) if len(x) > 1 else 0.0
+
+    return EvalResult(
+        episodes,
+        float(np.mean(succ)) if succ else 0.0,
+        se(succ),
+        float(np.mean(rets)) if rets else 0.0,
+        se(rets),
+        float(np.mean(invalid)) if invalid else 0.0,
+        value,
+    )

@@ -31,10 +31,10 @@ from branchgym.agents.training import (
     Run,
     TrainArgs,
     TrainResult,
-    _choice,
-    _require,
     advantage_metrics,
     ratio_spread,
+    require,
+    require_one_of,
     rollout_metrics,
 )
 
@@ -83,15 +83,15 @@ class Args(TrainArgs):
     def check(self) -> None:
         """Ranges of the GRPO/RLOO options."""
         super().check()
-        _choice("advantage", self.advantage, ADVANTAGES)
-        _choice("aggregation", self.aggregation, losses.AGGREGATIONS)
-        _choice("kl_estimator", self.kl_estimator, losses.KL_ESTIMATORS)
-        _require(self.m >= 0 and self.k >= 1, f"need m >= 0 and k >= 1; got {self.m}, {self.k}.")
-        _require(
+        require_one_of("advantage", self.advantage, ADVANTAGES)
+        require_one_of("aggregation", self.aggregation, losses.AGGREGATIONS)
+        require_one_of("kl_estimator", self.kl_estimator, losses.KL_ESTIMATORS)
+        require(self.m >= 0 and self.k >= 1, f"need m >= 0 and k >= 1; got {self.m}, {self.k}.")
+        require(
             self.group_size >= 2,
             f"a group baseline needs N >= 2 rollouts per prompt; got N = {self.group_size}.",
         )
-        _require(self.eps >= 0 and self.beta >= 0, "eps and beta must be >= 0.")
+        require(self.eps >= 0 and self.beta >= 0, "eps and beta must be >= 0.")
 
 
 def loss(args: Args, c: Chunk) -> tuple[torch.Tensor, dict[str, float]]:

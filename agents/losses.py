@@ -18,6 +18,10 @@ Equation numbers refer to ``spec/ALGORITHMS.md``. Conventions:
 
 Bad input (wrong shapes, NaN rewards, unknown options) raises
 :class:`branchgym.error.LossInputError`, whose message says the fix.
+
+Why this module is over 600 lines: one section per equation of the spec, all pure
+functions sharing the same input checks and :func:`aggregate`; split by learner, those
+helpers would have to become public or be repeated.
 """
 
 from __future__ import annotations

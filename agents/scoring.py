@@ -34,16 +34,10 @@ from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
-from branchgym.agents.policy import (
-    ActionSample,
-    ActRequest,
-    Context,
-    LLMPolicy,
-    admissible_actions,
-    sequence_distribution,
-)
+from branchgym.agents.policy import LLMPolicy, sequence_distribution
 
 from branchgym.error import DependencyMissingError, TrainingConfigError
+from branchgym.policy import ActionSample, ActRequest, Context, admissible_actions
 
 try:
     import torch

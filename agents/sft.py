@@ -28,20 +28,20 @@ from typing import Any
 import numpy as np
 import torch
 from branchgym.agents import losses
-from branchgym.agents.policy import admissible_actions
 from branchgym.agents.training import (
     Batch,
     Chunk,
     Run,
     TrainArgs,
     TrainResult,
-    _choice,
-    _require,
+    require,
+    require_one_of,
     success_of,
 )
 from tqdm import tqdm
 
 from branchgym.error import TrainingConfigError
+from branchgym.policy import admissible_actions
 from branchgym.tree import RolloutTree
 
 __all__ = ["AUTO_EXPERTS", "EXPERTS", "Args", "collect", "loss", "main"]
@@ -117,15 +117,15 @@ class Args(TrainArgs):
     def check(self) -> None:
         """Ranges of the SFT options."""
         super().check()
-        _choice("expert", self.expert, ("auto", *EXPERTS))
+        require_one_of("expert", self.expert, ("auto", *EXPERTS))
         if self.expert == "auto" and self.env_id not in AUTO_EXPERTS:
             raise TrainingConfigError(
                 f"no scripted expert is known for {self.env_id}; pass expert= one of "
                 f"{', '.join(EXPERTS)} or add yours to branchgym.agents.sft.EXPERTS."
             )
-        _require(self.episodes >= 1, f"episodes must be >= 1; got {self.episodes}.")
-        _require(self.batch_episodes >= 1, "batch_episodes must be >= 1.")
-        _require(0.0 <= self.noise < 1.0, f"noise must be in [0, 1); got {self.noise}.")
+        require(self.episodes >= 1, f"episodes must be >= 1; got {self.episodes}.")
+        require(self.batch_episodes >= 1, "batch_episodes must be >= 1.")
+        require(0.0 <= self.noise < 1.0, f"noise must be in [0, 1); got {self.noise}.")
 
 
 def collect(run: Run, args: Args) -> tuple[list[RolloutTree], dict[str, float]]:

@@ -36,6 +36,7 @@ __all__ = [
     "check_env",
     "ActionChooser",
     "run_actions",
+    "rollout_actions",
     "volatile_keys",
     "CHECKS",
 ]
@@ -115,7 +116,11 @@ def volatile_keys(env: gym.Env) -> tuple[str, ...]:
         e = e.env
 
 
-def _strip(info: dict[str, Any], volatile: tuple[str, ...]) -> dict[str, Any]:
+def strip_volatile(info: dict[str, Any], volatile: tuple[str, ...]) -> dict[str, Any]:
+    """``info`` without the ``volatile`` keys (and without ``episode["t"]``, a wall clock).
+
+    What is left is what two runs of a deterministic env must agree on.
+    """
     out = {k: v for k, v in info.items() if k not in volatile}
     ep = out.get("episode")
     if isinstance(ep, dict) and "t" in ep:  # RecordEpisodeStatistics' wall-clock time
@@ -129,14 +134,22 @@ def run_actions(env: gym.Env, actions: list[Any]) -> list[tuple[Any, ...]]:
     out = []
     for a in actions:
         obs, reward, terminated, truncated, info = env.step(a)
-        out.append((obs, float(reward), bool(terminated), bool(truncated), _strip(info, volatile)))
+        out.append(
+            (obs, float(reward), bool(terminated), bool(truncated), strip_volatile(info, volatile))
+        )
         if terminated or truncated:
             break
     return out
 
 
-def _rollout_actions(env: gym.Env, info: dict, chooser: ActionChooser, n: int) -> list[Any]:
-    """Choose and take ``n`` actions on ``env`` (stops early at episode end)."""
+def rollout_actions(
+    env: gym.Env, info: dict[str, Any], chooser: ActionChooser, n: int
+) -> list[Any]:
+    """Choose and take up to ``n`` actions on ``env`` from ``info``; returns those taken.
+
+    Stops early at episode end. Used by the checks here and the fidelity suite
+    (:mod:`branchgym.testing`) to pick a future on a model copy of the env.
+    """
     actions = []
     for _ in range(n):
         a = chooser(info)
@@ -171,7 +184,7 @@ def _prepare(factory: EnvFactory, seed: int, prefix_len: int, future_len: int) -
             obs, info = env.reset(seed=seed)
             prefix = []
     model, model_info = _model(factory, seed, prefix)
-    future = _rollout_actions(model, model_info, chooser, future_len)
+    future = rollout_actions(model, model_info, chooser, future_len)
     model.close()
     return _Setup(env, seed, prefix, future, obs, info)
 
@@ -226,8 +239,8 @@ def check_round_trip(factory: EnvFactory, seed: int) -> str | None:
             return "state_digest() changed across snapshot + restore"
         err = _compare("restored observation", obs, s.obs) or _compare(
             "restored info",
-            _strip(info, volatile_keys(s.env)),
-            _strip(s.info, volatile_keys(s.env)),
+            strip_volatile(info, volatile_keys(s.env)),
+            strip_volatile(s.info, volatile_keys(s.env)),
         )
         if err:
             return err
@@ -368,7 +381,7 @@ def check_env(
         checks: Names from :data:`CHECKS` to run (default: all).
         skip_gymnasium: Skip Gymnasium's own API checker.
     """
-    name, factory = _as_factory(env)
+    name, factory = as_factory(env)
     results = []
     for check_name, fn in CHECKS.items():
         if checks is not None and check_name not in checks:
@@ -397,7 +410,12 @@ def check_env(
     return CheckReport(name, results)
 
 
-def _as_factory(env: gym.Env | EnvFactory | str) -> tuple[str, EnvFactory]:
+def as_factory(env: gym.Env | EnvFactory | str) -> tuple[str, EnvFactory]:
+    """``(env id, zero-argument factory)`` for a registered id, a factory or a ``gym.make`` env.
+
+    Raises:
+        TypeError: ``env`` is an instance built without ``gym.make`` (no spec to rebuild it).
+    """
     if isinstance(env, str):
         from branchgym.registration import env_factory
 
@@ -413,3 +431,9 @@ def _as_factory(env: gym.Env | EnvFactory | str) -> tuple[str, EnvFactory]:
     if callable(env):
         return getattr(env, "__name__", repr(env)), env
     raise TypeError(f"check_env takes an env id, a factory or an env; got {type(env).__name__}")
+
+
+# Former private names, kept for code that imported them before they were made public.
+_strip = strip_volatile
+_as_factory = as_factory
+_rollout_actions = rollout_actions

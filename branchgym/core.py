@@ -15,6 +15,12 @@ behaving exactly like ``s``. This module defines them for Gymnasium:
   wrapper whose state is unknown makes ``snapshot`` fail loudly.
 * :class:`SnapshotAPI` is the outermost wrapper branchgym's registrations add, so that
   ``env.snapshot()`` works directly on what ``gym.make`` returns.
+
+Why this module is over 600 lines: the snapshot handle, the env protocol, the identity
+checks and the wrapper-stack operations share :class:`Snapshot`/:class:`StackSnapshot`
+and the wrapper-state registry, and together are the protocol the rest builds on; kept
+together, its invariants (release, identity, layer order) read in one place. The
+sections are marked; the wrapper handlers are the first candidate to move out.
 """
 
 from __future__ import annotations
@@ -54,6 +60,12 @@ __all__ = [
     "reseed",
     "register_wrapper_state",
     "declare_stateless",
+    "spec_identity",
+    "stack_identity",
+    "open_snapshot",
+    "wrapper_state_handler",
+    "walk_wrappers",
+    "capture_wrapper_state",
     "live_snapshots",
     "LiveSnapshots",
     "SNAPSHOT_KINDS",
@@ -379,6 +391,82 @@ class StackSnapshot(Snapshot):
 # ------------------------------------------------------------------------ env protocol
 
 
+# ------------------------------------------------------------------ snapshot identity
+#
+# A snapshot is stamped with ``(env_id, spec_hash)`` when it is taken and restores only
+# where the same pair is computed. These three functions are the one place the pair is
+# computed and checked: SnapshottableEnv, PickleSnapshot and ReplaySnapshot all use them.
+
+
+def spec_identity(env_id: str, config: Any) -> tuple[str, str]:
+    """``(env_id, spec_hash)``: ``config`` (spec kwargs) hashed with :func:`stable_hash`.
+
+    A config holding values without a canonical encoding hashes its ``repr`` instead
+    (a dict's items sorted by key, as :func:`stable_hash` orders mappings).
+    """
+    try:
+        return env_id, stable_hash(config)
+    except TypeError:
+        if isinstance(config, dict):
+            config = sorted(config.items(), key=lambda kv: kv[0])
+        return env_id, stable_hash(repr(config))
+
+
+def stack_identity(env: gym.Env) -> tuple[str, str]:
+    """The identity of the base env below ``env``: its spec id and kwargs.
+
+    Used by wrappers that snapshot a whole stack (``PickleSnapshot``, ``ReplaySnapshot``);
+    a base env built without ``gym.make`` is named by its class.
+    """
+    base = env.unwrapped
+    spec = base.spec
+    if spec is not None:
+        return spec_identity(spec.id, dict(spec.kwargs))
+    return spec_identity(f"{type(base).__module__}:{type(base).__qualname__}", {})
+
+
+def open_snapshot(snapshot: Any, identity: tuple[str, str], *, kind: str | None = None) -> Any:
+    """Check that ``snapshot`` was taken where ``identity`` holds and return its payload.
+
+    Args:
+        snapshot: What was passed to ``restore``.
+        identity: ``(env_id, spec_hash)`` of the env restoring it.
+        kind: When given, the snapshot's ``kind`` must be this one too.
+
+    Raises:
+        SnapshotMismatchError: not a :class:`Snapshot`, a :class:`StackSnapshot` (restore
+            those with :func:`restore`), another env id or spec kwargs, or another kind.
+        SnapshotCorruptError: the payload is released or corrupt.
+    """
+    if not isinstance(snapshot, Snapshot):
+        raise SnapshotMismatchError(
+            f"restore() takes a branchgym Snapshot, got {type(snapshot).__name__}; "
+            "pass the object env.snapshot() returned (or Snapshot.from_bytes(data))."
+        )
+    if isinstance(snapshot, StackSnapshot):
+        raise SnapshotMismatchError(
+            f"this snapshot was taken over a wrapper stack "
+            f"({', '.join(p.rsplit('.', 1)[-1] for p, _ in snapshot.layers)}); restore it "
+            "with branchgym.restore(env, snap) on a stack built the same way, not on the "
+            "bare env."
+        )
+    payload = snapshot.payload  # raises if released or corrupt
+    env_id, spec_hash = identity
+    if snapshot.env_id != env_id or snapshot.spec_hash != spec_hash:
+        what = "env id" if snapshot.env_id != env_id else "spec kwargs"
+        raise SnapshotMismatchError(
+            f"snapshot of {snapshot.env_id} [{snapshot.spec_hash[:8]}] cannot restore into "
+            f"{env_id} [{spec_hash[:8]}]: the {what} differ. Restore into an env made with "
+            "the same id and kwargs."
+        )
+    if kind is not None and snapshot.kind != kind:
+        raise SnapshotMismatchError(
+            f"a {snapshot.kind!r} snapshot of {snapshot.env_id} cannot restore where "
+            f"{kind!r} snapshots are taken; restore into an env made the same way."
+        )
+    return payload
+
+
 class SnapshottableEnv(gym.Env[ObsType, ActType], Generic[ObsType, ActType]):
     """A Gymnasium env whose state can be saved and restored.
 
@@ -440,13 +528,9 @@ class SnapshottableEnv(gym.Env[ObsType, ActType], Generic[ObsType, ActType]):
             if spec is not None
             else (self.default_env_id or f"{type(self).__module__}:{type(self).__qualname__}")
         )
-        config = self._snapshot_config()
-        try:
-            spec_hash = stable_hash(config)
-        except TypeError:
-            spec_hash = stable_hash(repr(config))
-        self.__dict__["_bg_identity"] = (spec, (env_id, spec_hash))
-        return env_id, spec_hash
+        identity = spec_identity(env_id, self._snapshot_config())
+        self.__dict__["_bg_identity"] = (spec, identity)
+        return identity
 
     # -- the protocol -------------------------------------------------------------------
     def snapshot(self) -> Snapshot:
@@ -509,29 +593,8 @@ class SnapshottableEnv(gym.Env[ObsType, ActType], Generic[ObsType, ActType]):
         )
 
     def _open_snapshot(self, snapshot: Any) -> Any:
-        """Check that ``snapshot`` belongs here and return its payload."""
-        if not isinstance(snapshot, Snapshot):
-            raise SnapshotMismatchError(
-                f"restore() takes a branchgym Snapshot, got {type(snapshot).__name__}; "
-                "pass the object env.snapshot() returned (or Snapshot.from_bytes(data))."
-            )
-        if isinstance(snapshot, StackSnapshot):
-            raise SnapshotMismatchError(
-                f"this snapshot was taken over a wrapper stack "
-                f"({', '.join(p.rsplit('.', 1)[-1] for p, _ in snapshot.layers)}); restore it "
-                "with branchgym.restore(env, snap) on a stack built the same way, not on the "
-                "bare env."
-            )
-        payload = snapshot.payload  # raises if released or corrupt
-        env_id, spec_hash = self.snapshot_identity()
-        if snapshot.env_id != env_id or snapshot.spec_hash != spec_hash:
-            what = "env id" if snapshot.env_id != env_id else "spec kwargs"
-            raise SnapshotMismatchError(
-                f"snapshot of {snapshot.env_id} [{snapshot.spec_hash[:8]}] cannot restore into "
-                f"{env_id} [{spec_hash[:8]}]: the {what} differ. Restore into an env made with "
-                "the same id and kwargs."
-            )
-        return payload
+        """Check that ``snapshot`` belongs here and return its payload (:func:`open_snapshot`)."""
+        return open_snapshot(snapshot, self.snapshot_identity())
 
     def _rng_state(self) -> dict[str, Any] | None:
         rng = self.__dict__.get("_np_random")
@@ -592,7 +655,15 @@ def declare_stateless(*classes: type[gym.Wrapper]) -> None:
         register_wrapper_state(cls, ())
 
 
-def _handler(wrapper: gym.Wrapper) -> _WrapperState:
+def wrapper_state_handler(wrapper: gym.Wrapper) -> _WrapperState:
+    """How branchgym captures ``wrapper``'s state: its ``attrs``, ``volatile`` and ``observe``.
+
+    Wrapper classes declare this with :func:`register_wrapper_state`,
+    :func:`declare_stateless` or a ``branchgym_state_attrs`` class attribute.
+
+    Raises:
+        UnsnapshottableWrapperError: the wrapper's class declared nothing.
+    """
     cls = type(wrapper)
     h = _HANDLERS.get(cls)
     if h is not None:
@@ -735,26 +806,31 @@ def snapshot(env: gym.Env) -> Snapshot:
         SnapshotNotSupportedError: nothing in the stack implements snapshots.
     """
     wrappers, owner = _walk(env)
-    layers = tuple((_path(type(w)), _capture(w)) for w in wrappers if _handler(w).attrs)
+    layers = tuple(
+        (_path(type(w)), capture_wrapper_state(w))
+        for w in wrappers
+        if wrapper_state_handler(w).attrs
+    )
     inner = owner.snapshot()
     if not wrappers:
         return inner
     return StackSnapshot(inner, layers)
 
 
-def _walk_wrappers(env: gym.Env) -> list[gym.Wrapper]:
+def walk_wrappers(env: gym.Env) -> list[gym.Wrapper]:
     """Every wrapper from ``env`` down to the base env; unknown ones raise."""
     out: list[gym.Wrapper] = []
     e: Any = env
     while isinstance(e, gym.Wrapper):
-        _handler(e)
+        wrapper_state_handler(e)
         out.append(e)
         e = e.env
     return out
 
 
-def _capture(wrapper: gym.Wrapper) -> dict[str, Any]:
-    return {a: copy.deepcopy(getattr(wrapper, a)) for a in _handler(wrapper).attrs}
+def capture_wrapper_state(wrapper: gym.Wrapper) -> dict[str, Any]:
+    """Deep copies of the declared state attributes of one wrapper, by name."""
+    return {a: copy.deepcopy(getattr(wrapper, a)) for a in wrapper_state_handler(wrapper).attrs}
 
 
 def restore(env: gym.Env, snap: Snapshot) -> tuple[Any, dict[str, Any]]:
@@ -770,8 +846,8 @@ def restore(env: gym.Env, snap: Snapshot) -> tuple[Any, dict[str, Any]]:
         )
     wrappers, owner = _walk(env)
     for w in wrappers:
-        _handler(w)  # unknown wrappers fail before anything changes
-    stateful = [w for w in wrappers if _handler(w).attrs]
+        wrapper_state_handler(w)  # unknown wrappers fail before anything changes
+    stateful = [w for w in wrappers if wrapper_state_handler(w).attrs]
     # A SnapshotWrapper that is itself the outermost layer may return a StackSnapshot of
     # the stack *below* it (it delegates to snapshot(self.env)); snapshot() hands that
     # back unchanged, so restore() must hand it to the wrapper unchanged too.
@@ -791,7 +867,7 @@ def restore(env: gym.Env, snap: Snapshot) -> tuple[Any, dict[str, Any]]:
         for name, value in state.items():
             setattr(w, name, copy.deepcopy(value))
     for w in reversed(wrappers):  # inner to outer, as step() would transform
-        observe = _handler(w).observe
+        observe = wrapper_state_handler(w).observe
         if observe is not None:
             obs = observe(w, obs)
     return obs, info
@@ -802,7 +878,7 @@ def state_digest(env: gym.Env) -> str:
     wrappers, owner = _walk(env)
     parts = []
     for w in wrappers:
-        h = _handler(w)
+        h = wrapper_state_handler(w)
         parts.append((_path(type(w)), {a: getattr(w, a) for a in h.attrs if a not in h.volatile}))
     return stable_hash(parts, owner.state_digest())
 
@@ -849,6 +925,44 @@ class SnapshotWrapper(gym.Wrapper[ObsType, ActType, ObsType, ActType]):
         base = self.env.unwrapped
         base._np_random, base._np_random_seed = seeding.np_random(seed)
 
+    # -- helpers for subclasses that snapshot the stack below them ---------------------
+    #: The ``kind`` of the snapshots this wrapper takes (and accepts on restore); set by
+    #: subclasses that use these helpers.
+    snapshot_kind: ClassVar[str]
+
+    def _new_snapshot(self, payload: Any, *, step: int, **fields: Any) -> Snapshot:
+        """Wrap ``payload`` in a :class:`Snapshot` stamped with the stack's identity."""
+        env_id, spec_hash = stack_identity(self.env)
+        return Snapshot(
+            env_id=env_id,
+            spec_hash=spec_hash,
+            step=step,
+            kind=self.snapshot_kind,
+            payload=payload,
+            picklable=True,
+            **fields,
+        )
+
+    def _open_snapshot(self, snapshot: Any) -> Any:
+        """Check that ``snapshot`` was taken by this kind of wrapper over this stack."""
+        return open_snapshot(snapshot, stack_identity(self.env), kind=self.snapshot_kind)
+
+    def _capture_layers(self) -> tuple[dict[str, Any], ...]:
+        """The state of every wrapper below this one, outer to inner."""
+        return tuple(capture_wrapper_state(w) for w in walk_wrappers(self.env))
+
+    def _restore_layers(self, layers: tuple[dict[str, Any], ...], *, copy_values: bool) -> None:
+        """Put back what :meth:`_capture_layers` took, on a stack built the same way."""
+        wrappers = walk_wrappers(self.env)
+        if len(wrappers) != len(layers):
+            raise SnapshotMismatchError(
+                f"the wrapper stack below {type(self).__name__} differs from the one "
+                "snapshotted; build the env with the same wrappers."
+            )
+        for w, state in zip(wrappers, layers, strict=True):
+            for name, value in state.items():
+                setattr(w, name, copy.deepcopy(value) if copy_values else value)
+
 
 class SnapshotAPI(gym.Wrapper[ObsType, ActType, ObsType, ActType], gym.utils.RecordConstructorArgs):
     """Outermost wrapper added by branchgym registrations: ``env.snapshot()`` on ``gym.make``.
@@ -877,3 +991,8 @@ class SnapshotAPI(gym.Wrapper[ObsType, ActType, ObsType, ActType], gym.utils.Rec
 
 _register_gymnasium_wrappers()
 declare_stateless(SnapshotAPI)
+
+# Former private names, kept for code that imported them before they were made public.
+_handler = wrapper_state_handler
+_walk_wrappers = walk_wrappers
+_capture = capture_wrapper_state

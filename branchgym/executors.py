@@ -3,7 +3,7 @@
 The branching engine keeps the policy in the driver (so an LLM engine batches the
 siblings' generations and shares their prefix) and sends environment work -- reset,
 step, snapshot, restore -- to an :class:`Executor`. Every env instance comes from a
-pool keyed by :class:`EnvSpec`; a *session* is one instance playing one rollout.
+pool keyed by :class:`EnvRecipe`; a *session* is one instance playing one rollout.
 
 * :class:`InProcessExecutor`: instances in this process, calls one after another. With
   ``max_instances=1`` every sibling restores into the same instance (the fast path).
@@ -21,6 +21,10 @@ stay where they were taken, and their siblings run on that worker.
 A crash (an exception in the sandbox, a dead worker process or actor) or a timeout in
 one call is reported in that call's :class:`Outcome` and ends only that session; the
 executor replaces a lost worker and goes on.
+
+Why this module is over 600 lines: every executor (in-process, threads, processes, Ray)
+drives the same :class:`EnvWorker` through its ``op_*`` calls, and the worker and its
+callers must agree call by call; one module keeps that protocol in one place.
 """
 
 from __future__ import annotations
@@ -48,6 +52,7 @@ from branchgym.digest import stable_hash
 from branchgym.error import DependencyMissingError, ExecutorError, SnapshotNotSupportedError
 
 __all__ = [
+    "EnvRecipe",
     "EnvSpec",
     "Outcome",
     "SnapshotRef",
@@ -64,7 +69,7 @@ __all__ = [
 
 
 @dataclasses.dataclass(frozen=True)
-class EnvSpec:
+class EnvRecipe:
     """How to build an env instance; instances from one spec are interchangeable.
 
     Attributes:
@@ -90,6 +95,11 @@ class EnvSpec:
         import branchgym
 
         return branchgym.make(self.id, **self.kwargs)
+
+
+#: Former name. Gymnasium has its own ``EnvSpec`` (``env.spec``, a registration entry);
+#: this class is a recipe for building interchangeable instances, hence the new name.
+EnvSpec = EnvRecipe
 
 
 @dataclasses.dataclass
@@ -170,7 +180,7 @@ class EnvWorker:
         self.remote = remote
         self.free: dict[str, list[gym.Env]] = collections.defaultdict(list)
         self.count: dict[str, int] = collections.defaultdict(int)
-        self.sessions: dict[int, tuple[EnvSpec, gym.Env]] = {}
+        self.sessions: dict[int, tuple[EnvRecipe, gym.Env]] = {}
         self.snaps: dict[int, Snapshot] = {}
         # Lost instances that still own snapshots other sessions may restore (a SWE-bench
         # env releases its snapshots when closed): closed once they own none, or at
@@ -179,13 +189,13 @@ class EnvWorker:
         self._ids = itertools.count()
         self.lock = threading.Lock()
 
-    def adopt(self, spec: EnvSpec, env: gym.Env) -> None:
+    def adopt(self, spec: EnvRecipe, env: gym.Env) -> None:
         """Put an existing instance in the pool of ``spec`` (``grow_tree(env, ...)``)."""
         with self.lock:
             self.free[spec.key].append(env)
             self.count[spec.key] += 1
 
-    def _acquire(self, spec: EnvSpec, session: int) -> gym.Env:
+    def _acquire(self, spec: EnvRecipe, session: int) -> gym.Env:
         with self.lock:
             pool = self.free[spec.key]
             if pool:
@@ -257,7 +267,7 @@ class EnvWorker:
         return out
 
     # -- operations ---------------------------------------------------------------
-    def op_reset(self, session: int, spec: EnvSpec, seed: Any, options: Any, reseed: Any):
+    def op_reset(self, session: int, spec: EnvRecipe, seed: Any, options: Any, reseed: Any):
         """Acquire an instance for ``session`` and reset it."""
         env = self._acquire(spec, session)
         t0 = time.perf_counter()
@@ -298,7 +308,7 @@ class EnvWorker:
         return {"snap": snap, "nbytes": snap.nbytes, "step": snap.step, "seconds": secs}
 
     def op_restore(
-        self, session: int, spec: EnvSpec, snap: Any, remote_id: Any, reseed: Any, prefer: Any
+        self, session: int, spec: EnvRecipe, snap: Any, remote_id: Any, reseed: Any, prefer: Any
     ):
         """Restore a snapshot into a free instance (or ``prefer``'s: the fast path)."""
         env = None
@@ -439,7 +449,7 @@ class Executor(abc.ABC):
 
     def reset(
         self,
-        specs: Sequence[EnvSpec],
+        specs: Sequence[EnvRecipe],
         seeds: Sequence[Any],
         *,
         options: Any = None,
@@ -486,7 +496,7 @@ class Executor(abc.ABC):
 
     def restore(
         self,
-        specs: Sequence[EnvSpec],
+        specs: Sequence[EnvRecipe],
         refs: Sequence[SnapshotRef],
         *,
         reseeds: Sequence[int | None] | None = None,

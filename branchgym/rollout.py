@@ -44,10 +44,10 @@ import gymnasium as gym
 import numpy as np
 from tqdm import tqdm
 
-from branchgym.agents.policy import ActionSample, ActRequest, Context, Policy, Turn
 from branchgym.compare import first_difference
 from branchgym.error import OptionError
-from branchgym.executors import EnvSpec, Executor, InProcessExecutor, SnapshotRef, make_executor
+from branchgym.executors import EnvRecipe, Executor, InProcessExecutor, SnapshotRef, make_executor
+from branchgym.policy import ActionSample, ActRequest, Context, Policy, Turn
 from branchgym.schedules import ForkPoint, get_schedule
 from branchgym.tree import ROOT, RolloutTree
 
@@ -62,27 +62,27 @@ DEFAULT_MAX_STEPS = 100
 Teacher = Callable[[RolloutTree, list[int]], None]
 
 
-def spec_of(env: gym.Env) -> EnvSpec:
-    """The :class:`EnvSpec` a ``gym.make`` env was built from."""
+def spec_of(env: gym.Env) -> EnvRecipe:
+    """The :class:`EnvRecipe` a ``gym.make`` env was built from."""
     spec = env.spec
     if spec is None:
         raise ValueError(
             "this env was not made with gym.make, so siblings cannot build instances like "
-            "it; pass an EnvSpec(id, kwargs, factory=...) instead of the instance."
+            "it; pass an EnvRecipe(id, kwargs, factory=...) instead of the instance."
         )
     kwargs = dict(spec.kwargs)
     if spec.max_episode_steps is not None:
         kwargs.setdefault("max_episode_steps", spec.max_episode_steps)
-    return EnvSpec(spec.id, kwargs)
+    return EnvRecipe(spec.id, kwargs)
 
 
 def _resolve(
-    env: gym.Env | EnvSpec | str, executor: Executor | str | None, **executor_kwargs: Any
-) -> tuple[EnvSpec, Executor, bool]:
+    env: gym.Env | EnvRecipe | str, executor: Executor | str | None, **executor_kwargs: Any
+) -> tuple[EnvRecipe, Executor, bool]:
     """(spec, executor, whether we own the executor)."""
     if isinstance(env, str):
-        env = EnvSpec(env)
-    if isinstance(env, EnvSpec):
+        env = EnvRecipe(env)
+    if isinstance(env, EnvRecipe):
         if executor is None:
             return env, InProcessExecutor(), True
         owned = not isinstance(executor, Executor)
@@ -132,7 +132,7 @@ def check_options(**options: Any) -> None:
             raise OptionError(f"{name} must be {allowed}, got {value!r}")
 
 
-def _max_steps(spec: EnvSpec, max_steps: int | None) -> int:
+def _max_steps(spec: EnvRecipe, max_steps: int | None) -> int:
     """Decisions before a rollout is cut: ``max_steps``, else the spec's time limit.
 
     ``max_episode_steps=-1`` is Gymnasium's "no time limit": the default cap applies.
@@ -176,7 +176,7 @@ class _Engine:
 
     def __init__(
         self,
-        spec: EnvSpec,
+        spec: EnvRecipe,
         ex: Executor,
         policy: Policy,
         rng: np.random.Generator,
@@ -424,7 +424,7 @@ def _replay_to(
 
 
 def grow_tree(
-    env: gym.Env | EnvSpec | str,
+    env: gym.Env | EnvRecipe | str,
     policy: Policy,
     schedule: str | Callable[..., list[ForkPoint]] = "entropy",
     *,
@@ -449,7 +449,7 @@ def grow_tree(
 
     Args:
         env: An env instance (siblings restore into it one after another: the fast
-            path), an :class:`EnvSpec`, or a registered id.
+            path), an :class:`EnvRecipe`, or a registered id.
         policy: Samples actions (see :mod:`branchgym.agents.policy`).
         schedule: A name in :data:`branchgym.schedules.SCHEDULES` or a function.
         m: Branch points M (B for BranchOPD).
@@ -624,7 +624,7 @@ def _run_siblings(
 
 
 def grow_trees(
-    env: gym.Env | EnvSpec | str,
+    env: gym.Env | EnvRecipe | str,
     policy: Policy,
     seeds: Sequence[int],
     schedule: str | Callable[..., list[ForkPoint]] = "entropy",
@@ -640,7 +640,7 @@ def grow_trees(
 
 
 def group_rollouts(
-    env: gym.Env | EnvSpec | str,
+    env: gym.Env | EnvRecipe | str,
     policy: Policy,
     n: int,
     *,

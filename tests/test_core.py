@@ -340,3 +340,35 @@ def test_stack_view_reports_release_of_its_inner_snapshot(tree_env):
     assert snap.released
     with pytest.raises(SnapshotReleasedError):
         tree_env.restore(snap)
+
+
+def test_one_identity_for_envs_and_strategy_wrappers(tree_env):
+    """SnapshottableEnv and the stack wrappers compute the pair with one function."""
+    from branchgym.core import spec_identity, stack_identity
+    from branchgym.digest import stable_hash
+
+    base = tree_env.unwrapped
+    assert base.snapshot_identity() == spec_identity(base.spec.id, base._snapshot_config())
+    cart = gym.make("CartPole-v1")
+    assert stack_identity(cart) == ("CartPole-v1", stable_hash(dict(cart.unwrapped.spec.kwargs)))
+    # Unhashable kwargs fall back on their repr, independent of keyword order.
+    odd = object()
+    assert spec_identity("x", {"a": 1, "b": odd}) == spec_identity("x", {"b": odd, "a": 1})
+    assert spec_identity("x", {"a": 1}) != spec_identity("y", {"a": 1})
+
+
+def test_strategy_wrappers_refuse_stack_snapshots_and_other_kinds():
+    from branchgym.wrappers import PickleSnapshot, ReplaySnapshot
+
+    pickled = PickleSnapshot(gym.make("CartPole-v1"))
+    replayed = ReplaySnapshot(gym.make("CartPole-v1"))
+    pickled.reset(seed=0)
+    replayed.reset(seed=0)
+    with pytest.raises(SnapshotMismatchError, match="'replay' snapshot"):
+        pickled.restore(replayed.snapshot())
+    with pytest.raises(SnapshotMismatchError, match="takes a branchgym Snapshot"):
+        replayed.restore("not a snapshot")
+    stacked = gym.wrappers.RecordEpisodeStatistics(gym.make("branchgym/TreeMDP-v0"))
+    stacked.reset(seed=0)
+    with branchgym.snapshot(stacked) as snap, pytest.raises(SnapshotMismatchError, match="stack"):
+        pickled.restore(snap)

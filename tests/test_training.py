@@ -19,6 +19,7 @@ from branchgym.agents import (  # noqa: E402
     bellman_po,
     bpo,
     branch_opd,
+    forward,
     grpo,
     losses,
     pbr,
@@ -189,46 +190,63 @@ def test_bpo_without_branches_falls_back_to_rloo_over_backbones():
     np.testing.assert_allclose(leaf_adv, want.numpy())
 
 
+#: Per-rollout advantages of returns [1, 0, 1, 0], worked out by hand: GRPO divides the
+#: deviation from the mean (0.5) by the Bessel-corrected std sqrt(1/3) (+ 1e-6); RLOO
+#: subtracts the mean of the other three returns (2/3 or 1/3).
+HAND_ADVANTAGES = {
+    "grpo": [0.5 / (math.sqrt(1 / 3) + 1e-6) * s for s in (1, -1, 1, -1)],
+    "rloo": [2 / 3, -2 / 3, 2 / 3, -2 / 3],
+}
+
+
 @pytest.mark.parametrize("advantage", ["grpo", "rloo"])
-def test_grpo_loss_matches_the_losses_module(advantage):
+def test_grpo_loss_equals_a_from_scratch_computation(advantage):
+    """GRPO's advantages and loss on a hand-made batch against plain-float arithmetic.
+
+    The expected loss is computed here token by token, with no tensor code and nothing
+    from ``branchgym.agents.losses``: per token ``rho = exp(logp - old)``, surrogate
+    ``min(rho * A, clip(rho, 0.8, 1.2) * A)``, k3 KL ``exp(ref - logp) - 1 - (ref - logp)``;
+    each aggregated as a token mean per row, then a mean over rows.
+    """
     trees = [group_tree([1.0, 0.0, 1.0, 0.0], [2, 1, 3, 2], seed=s) for s in (0, 1)]
     args = grpo.Args(advantage=advantage, n=4, beta=0.05)
     adv, _ = grpo.group_advantages(args, trees)
-    want_adv, _ = grpo.ADVANTAGES[advantage](torch.tensor([[1.0, 0.0, 1.0, 0.0]] * 2))
-    torch.testing.assert_close(adv.float(), want_adv.float())
+    np.testing.assert_allclose(adv.numpy(), [HAND_ADVANTAGES[advantage]] * 2, rtol=1e-6)
     batch = Batch(trees)
     rank = [{leaf: j for j, leaf in enumerate(t.leaves())} for t in trees]
+    row_adv = [HAND_ADVANTAGES[advantage][rank[r.tree][r.leaf]] for r in batch.rows]
     batch.set_advantages(lambda row, d: adv[row.tree, rank[row.tree][row.leaf]])
     for d in batch.decisions():  # a reference policy a little off the old one
         d.ref_logp = d.old_logp - 0.1
     logp = current_logp(batch, seed=1)
-    rows = list(range(len(batch.rows)))
-    got, metrics = grpo.loss(args, batch.chunk(rows, logp))
-    # rows are whole trajectories: lay out (8, T) tensors by hand
-    width = max(r.n_tokens for r in batch.rows)
+    got, metrics = grpo.loss(args, batch.chunk(list(range(len(batch.rows))), logp))
 
-    def padded(fn):
-        out = torch.zeros(len(rows), width)
-        for i, row in enumerate(batch.rows):
-            vals = torch.cat([fn(i, j, d) for j, d in enumerate(row.decisions)])
-            out[i, : vals.numel()] = vals
-        return out
-
-    new = torch.stack(
-        [
-            torch.nn.functional.pad(torch.cat(p), (0, width - sum(x.numel() for x in p)))
-            for p in logp
-        ]
-    )
-    old = padded(lambda i, j, d: torch.tensor(d.old_logp))
-    ref = padded(lambda i, j, d: torch.tensor(d.ref_logp))
-    mask = padded(lambda i, j, d: torch.ones(d.n_tokens))
-    a = torch.tensor([float(adv[r.tree, rank[r.tree][r.leaf]]) for r in batch.rows])
-    want = losses.ppo_clip_loss(
-        new, old, a, mask, eps=0.2, aggregation="seq-mean-token-mean", ref_logp=ref, beta=0.05
-    )
-    assert float(got.detach()) == pytest.approx(float(want.loss.detach()), rel=1e-6)
-    assert metrics["losses/kl"] == pytest.approx(float(want.kl), rel=1e-6)
+    policy_terms, kl_terms = [], []
+    for row, per, a in zip(batch.rows, logp, row_adv, strict=True):
+        surrogate, kl, counted = 0.0, 0.0, 0.0
+        for d, new in zip(row.decisions, per, strict=True):
+            for lp, old, ref, m in zip(
+                new.detach().double().tolist(),
+                d.old_logp.tolist(),
+                d.ref_logp.tolist(),
+                d.mask.tolist(),
+                strict=True,
+            ):
+                old, ref = float(np.float32(old)), float(np.float32(ref))  # the chunk's dtype
+                rho = math.exp(lp - old)
+                clipped = min(max(rho, 0.8), 1.2)
+                surrogate += m * min(rho * a, clipped * a)
+                kl += m * (math.exp(ref - lp) - 1 - (ref - lp))
+                counted += m
+        assert counted > 0
+        policy_terms.append(-surrogate / counted)
+        kl_terms.append(kl / counted)
+    want_kl = sum(kl_terms) / len(kl_terms)
+    want = sum(policy_terms) / len(policy_terms) + 0.05 * want_kl
+    assert float(got.detach()) == pytest.approx(want, rel=1e-5, abs=1e-7)
+    assert metrics["losses/kl"] == pytest.approx(want_kl, rel=1e-5, abs=1e-7)
+    # the surrogate is not trivially flat: some ratios leave the clip range
+    assert metrics["losses/clip_fraction"] > 0
 
 
 def test_bellman_po_loss_matches_the_losses_module():
@@ -365,7 +383,7 @@ def test_recomputed_logprobs_equal_the_behaviour_logprobs(
     model = tiny_engine.model
     if bucketed:
         # A small forward budget: rows are scored in several length-sorted batches.
-        monkeypatch.setattr(training, "FORWARD_TOKENS", 900)
+        monkeypatch.setattr(forward, "FORWARD_TOKENS", 900)
     if short_context:
         # Prompts then drop their oldest turns: decisions no longer share one sequence,
         # and each run of them is scored in its own context.
@@ -385,7 +403,7 @@ def test_recomputed_logprobs_equal_the_behaviour_logprobs(
     if bucketed:
         k = POLICIES[kind]
         lengths = [len(k.sequence(pol, sub)[0]) for r in batch.rows for sub in k.runs(pol, r)]
-        buckets = training.length_buckets(lengths, training.FORWARD_TOKENS)
+        buckets = forward.length_buckets(lengths, forward.FORWARD_TOKENS)
         assert len(buckets) > 1 and max(map(len, buckets)) > 1
     lps, _ = POLICIES[kind].logprobs(pol, model, batch.rows, torch.device("cpu"))
     for row, per in zip(batch.rows, lps, strict=True):

@@ -34,7 +34,7 @@ from typing import Any
 
 import gymnasium as gym
 
-from branchgym.checker import _strip, volatile_keys
+from branchgym.checker import strip_volatile, volatile_keys
 from branchgym.compare import first_step_difference
 from branchgym.core import Snapshot, SnapshotWrapper, restore, snapshot, state_digest
 from branchgym.error import (
@@ -287,7 +287,7 @@ class FidelityCheck(SnapshotWrapper, gym.utils.RecordConstructorArgs):
         snap.meta[META_KEY] = {
             "digest": self._digest() if "digest" in self.checks else None,
             "obs": copy.deepcopy(obs),
-            "info": copy.deepcopy(_strip(info, self._volatile)),
+            "info": copy.deepcopy(strip_volatile(info, self._volatile)),
             "step": self._step,
             "seed": self._seed,
             "options": copy.deepcopy(self._options),
@@ -357,7 +357,7 @@ class FidelityCheck(SnapshotWrapper, gym.utils.RecordConstructorArgs):
 
     def _verify_restored(self, rec: dict[str, Any], obs: Any, info: dict[str, Any]) -> None:
         d = first_step_difference(
-            (obs, _strip(info, self._volatile)),
+            (obs, strip_volatile(info, self._volatile)),
             (rec["obs"], rec["info"]),
             fields=("obs", "info"),
             ignore=self._volatile,
@@ -446,8 +446,8 @@ class FidelityCheck(SnapshotWrapper, gym.utils.RecordConstructorArgs):
             raise
         self.stats["twins"] += 1
         d = first_step_difference(
-            (obs, _strip(info, self._volatile)),
-            (t_obs, _strip(t_info, self._volatile)),
+            (obs, strip_volatile(info, self._volatile)),
+            (t_obs, strip_volatile(t_info, self._volatile)),
             fields=("obs", "info"),
             ignore=self._volatile,
         )
@@ -492,13 +492,19 @@ class FidelityCheck(SnapshotWrapper, gym.utils.RecordConstructorArgs):
             )
             return
         self.stats["shadowed_steps"] += 1
-        live = (out[0], float(out[1]), bool(out[2]), bool(out[3]), _strip(out[4], self._volatile))
+        live = (
+            out[0],
+            float(out[1]),
+            bool(out[2]),
+            bool(out[3]),
+            strip_volatile(out[4], self._volatile),
+        )
         ref = (
             t_out[0],
             float(t_out[1]),
             bool(t_out[2]),
             bool(t_out[3]),
-            _strip(t_out[4], self._volatile),
+            strip_volatile(t_out[4], self._volatile),
         )
         d = first_step_difference(live, ref, ignore=self._volatile)
         since = self._step - tw.restored_at

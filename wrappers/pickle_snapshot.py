@@ -15,17 +15,16 @@ import pickle
 from typing import Any
 
 import gymnasium as gym
-from branchgym.wrappers._identity import stack_identity
 
 from branchgym import serialization
-from branchgym.core import Snapshot, SnapshotWrapper, _capture, _handler, _walk_wrappers
-from branchgym.digest import stable_hash
-from branchgym.error import (
-    ResetNeededError,
-    SnapshotCorruptError,
-    SnapshotMismatchError,
-    SnapshotUntrustedError,
+from branchgym.core import (
+    Snapshot,
+    SnapshotWrapper,
+    walk_wrappers,
+    wrapper_state_handler,
 )
+from branchgym.digest import stable_hash
+from branchgym.error import ResetNeededError, SnapshotCorruptError, SnapshotUntrustedError
 
 __all__ = ["PickleSnapshot"]
 
@@ -87,8 +86,7 @@ class PickleSnapshot(SnapshotWrapper, gym.utils.RecordConstructorArgs):
         return obs, reward, terminated, truncated, info
 
     def _state(self) -> tuple[Any, ...]:
-        wrappers = _walk_wrappers(self.env)
-        layers = tuple(_capture(w) for w in wrappers)
+        layers = self._capture_layers()
         base = self.env.unwrapped
         base_state = {k: v for k, v in base.__dict__.items() if k not in self._exclude}
         return layers, base_state
@@ -99,15 +97,8 @@ class PickleSnapshot(SnapshotWrapper, gym.utils.RecordConstructorArgs):
             raise ResetNeededError("Cannot snapshot before reset(); call env.reset() first.")
         layers, base_state = self._state()
         blob = _dumps((layers, base_state, self._last, self._steps))
-        env_id, spec_hash = stack_identity(self.env)
-        return Snapshot(
-            env_id=env_id,
-            spec_hash=spec_hash,
-            step=self._steps,
-            kind=self.snapshot_kind,
-            payload=(blob, hashlib.sha256(blob).hexdigest()),
-            picklable=True,
-            nbytes=len(blob),
+        return self._new_snapshot(
+            (blob, hashlib.sha256(blob).hexdigest()), step=self._steps, nbytes=len(blob)
         )
 
     def _load_foreign(self, blob: bytes) -> Any:
@@ -134,20 +125,7 @@ class PickleSnapshot(SnapshotWrapper, gym.utils.RecordConstructorArgs):
 
     def restore(self, snapshot: Snapshot) -> tuple[Any, dict[str, Any]]:
         """Unpickle a fresh copy of the saved state into this stack."""
-        if not isinstance(snapshot, Snapshot):
-            raise SnapshotMismatchError(
-                f"restore() takes a branchgym Snapshot, got {type(snapshot).__name__}."
-            )
-        payload = snapshot.payload
-        env_id, spec_hash = stack_identity(self.env)
-        if (snapshot.env_id, snapshot.spec_hash) != (
-            env_id,
-            spec_hash,
-        ) or snapshot.kind != "pickle":
-            raise SnapshotMismatchError(
-                f"snapshot of {snapshot.env_id} ({snapshot.kind}) cannot restore into a "
-                f"PickleSnapshot over {env_id}; restore into an env made the same way."
-            )
+        payload = self._open_snapshot(snapshot)
         try:
             blob, checksum = payload
         except (TypeError, ValueError) as exc:
@@ -169,15 +147,7 @@ class PickleSnapshot(SnapshotWrapper, gym.utils.RecordConstructorArgs):
             raise SnapshotCorruptError(
                 f"PickleSnapshot payload cannot be unpickled: {exc}"
             ) from exc
-        wrappers = _walk_wrappers(self.env)
-        if len(wrappers) != len(layers):
-            raise SnapshotMismatchError(
-                "the wrapper stack below PickleSnapshot differs from the one snapshotted; "
-                "build the env with the same wrappers."
-            )
-        for w, state in zip(wrappers, layers, strict=True):
-            for name, value in state.items():
-                setattr(w, name, value)
+        self._restore_layers(layers, copy_values=False)  # fresh from pickle.loads
         self.env.unwrapped.__dict__.update(base_state)
         self._last = last
         self._steps = steps
@@ -185,10 +155,10 @@ class PickleSnapshot(SnapshotWrapper, gym.utils.RecordConstructorArgs):
 
     def state_digest(self) -> str:
         """Digest of the base env's state and the wrappers' non-volatile state."""
-        wrappers = _walk_wrappers(self.env)
+        wrappers = walk_wrappers(self.env)
         parts = []
         for w in wrappers:
-            h = _handler(w)
+            h = wrapper_state_handler(w)
             parts.append({a: getattr(w, a) for a in h.attrs if a not in h.volatile})
         _, base_state = self._state()
         try:

@@ -18,11 +18,10 @@ from typing import Any
 
 import gymnasium as gym
 import numpy as np
-from branchgym.wrappers._identity import stack_identity
 
-from branchgym.core import Snapshot, SnapshotWrapper, _capture, _walk_wrappers
+from branchgym.core import Snapshot, SnapshotWrapper
 from branchgym.digest import stable_hash
-from branchgym.error import ResetNeededError, SnapshotCorruptError, SnapshotMismatchError
+from branchgym.error import ResetNeededError, SnapshotCorruptError
 
 __all__ = ["ReplaySnapshot"]
 
@@ -80,37 +79,15 @@ class ReplaySnapshot(SnapshotWrapper, gym.utils.RecordConstructorArgs):
         """The recorded seed, options and actions (cheap to take, O(depth) to restore)."""
         if self._seed is None:
             raise ResetNeededError("Cannot snapshot before reset(); call env.reset() first.")
-        env_id, spec_hash = stack_identity(self.env)
-        layers = tuple(_capture(w) for w in _walk_wrappers(self.env))
+        layers = self._capture_layers()
         seed_rng = copy.deepcopy(self._seed_rng.bit_generator.state) if self._seed_rng else None
         payload = (self._seed, copy.deepcopy(self._options), tuple(self._actions), layers, seed_rng)
         depth = sum(not isinstance(a, _Reseed) for a in self._actions)
-        return Snapshot(
-            env_id=env_id,
-            spec_hash=spec_hash,
-            step=depth,
-            kind=self.snapshot_kind,
-            payload=payload,
-            picklable=True,
-            meta={"replay_depth": depth},
-        )
+        return self._new_snapshot(payload, step=depth, meta={"replay_depth": depth})
 
     def restore(self, snapshot: Snapshot) -> tuple[Any, dict[str, Any]]:
         """Reset with the recorded seed and replay the recorded actions."""
-        if not isinstance(snapshot, Snapshot):
-            raise SnapshotMismatchError(
-                f"restore() takes a branchgym Snapshot, got {type(snapshot).__name__}."
-            )
-        payload = snapshot.payload
-        env_id, spec_hash = stack_identity(self.env)
-        if (snapshot.env_id, snapshot.spec_hash) != (
-            env_id,
-            spec_hash,
-        ) or snapshot.kind != "replay":
-            raise SnapshotMismatchError(
-                f"snapshot of {snapshot.env_id} ({snapshot.kind}) cannot restore into a "
-                f"ReplaySnapshot over {env_id}; restore into an env made the same way."
-            )
+        payload = self._open_snapshot(snapshot)
         try:
             seed, options, actions, layers, seed_rng = payload
             seed = int(seed)
@@ -127,15 +104,7 @@ class ReplaySnapshot(SnapshotWrapper, gym.utils.RecordConstructorArgs):
                     f"replay ended the episode at action {i + 1} of {len(actions)}: the env is "
                     "not deterministic given its seed. Use PickleSnapshot for this env."
                 )
-        wrappers = _walk_wrappers(self.env)
-        if len(wrappers) != len(layers):
-            raise SnapshotMismatchError(
-                "the wrapper stack below ReplaySnapshot differs from the one snapshotted; "
-                "build the env with the same wrappers."
-            )
-        for w, state in zip(wrappers, layers, strict=True):  # cross-episode wrapper state
-            for name, value in state.items():
-                setattr(w, name, copy.deepcopy(value))
+        self._restore_layers(layers, copy_values=True)  # cross-episode wrapper state
         self._seed, self._options, self._actions = seed, copy.deepcopy(options), list(actions)
         if seed_rng is not None:
             self._seed_rng = np.random.default_rng()

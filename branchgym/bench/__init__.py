@@ -12,7 +12,7 @@ STUDIES: dict[str, tuple[str, str]] = {
     "snapshot": ("branchgym.bench.snapshot", "snapshot/restore cost and bytes per env, vs replay"),
     "theory": ("branchgym.bench.theory", "branching theory on TreeMDP: exact vs measured"),
     "webshop": (
-        "branchgym.envs.webshop.bench",
+        "branchgym.bench.webshop",
         "WebShop's scripted expert: reward on a goal split",
     ),
     "fidelity": ("branchgym.bench.fidelity", "FidelityCheck overhead per env and mode"),

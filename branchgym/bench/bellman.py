@@ -23,7 +23,7 @@ import numpy as np
 from tqdm import tqdm
 
 from branchgym.bench.common import Report
-from branchgym.bench.runs import CI_MAZE, STUDY_MAZE, Run, mean_curve, mean_se, run_learner
+from branchgym.bench.runs import CI_MAZE, STUDY_MAZE, SeedResult, mean_curve, mean_se, run_learner
 
 __all__ = ["configure", "main", "LEARNERS"]
 
@@ -65,7 +65,7 @@ def main(args: argparse.Namespace) -> int:
         f"30B model), {args.seeds} seeds. Spreads are over counted tokens, averaged over the "
         "8 updates of a batch, then over batches and seeds."
     )
-    runs: dict[str, list[Run]] = {}
+    runs: dict[str, list[SeedResult]] = {}
     with tempfile.TemporaryDirectory(prefix="bench_bellman_") as tmp:
         todo = [(lb, s) for lb in LEARNERS for s in range(args.seeds)]
         for label, seed in tqdm(todo, desc="bellman runs", unit="run"):
@@ -86,7 +86,7 @@ def main(args: argparse.Namespace) -> int:
             )
             runs.setdefault(label, []).append(run)
 
-    def avg(rs: list[Run], key: str) -> str:
+    def avg(rs: list[SeedResult], key: str) -> str:
         vals = [np.mean(r.metric(key)) for r in rs if r.metric(key)]
         return f"{mean_se(vals)[0]:.4f}" if vals else "-"
 

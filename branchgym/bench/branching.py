@@ -70,10 +70,10 @@ def _grow(
     ex: Any,
 ) -> TreeStats:
     """Sum the stats of one tree per seed; ``ex``'s pool is shared, so no env is rebuilt."""
-    from branchgym.executors import EnvSpec
+    from branchgym.executors import EnvRecipe
     from branchgym.rollout import group_rollouts, grow_tree
 
-    spec = EnvSpec(env_id, kwargs)
+    spec = EnvRecipe(env_id, kwargs)
     total = TreeStats()
     for s in seeds:
         common = {"seed": int(s), "rng": int(s), "executor": ex}
@@ -103,12 +103,12 @@ def _grow(
 def _state_keeping(report: Report, envs: dict[str, dict[str, Any]], n_trees: int, ex: Any) -> None:
     """Snapshot every step vs replay to the chosen steps, with a fast random text policy."""
     from branchgym.agents.policy import TextPolicy
-    from branchgym.executors import EnvSpec
+    from branchgym.executors import EnvRecipe
     from branchgym.rollout import grow_tree
 
     rows = []
     for env_id, kwargs in envs.items():
-        spec = EnvSpec(env_id, kwargs)
+        spec = EnvRecipe(env_id, kwargs)
         for keep in ("snapshot", "replay"):
             st = TreeStats()
             try:

@@ -29,7 +29,14 @@ import numpy as np
 from tqdm import tqdm
 
 from branchgym.bench.common import Report
-from branchgym.bench.runs import CI_MAZE, STUDY_MAZE, Run, mean_se, run_learner, sft_checkpoint
+from branchgym.bench.runs import (
+    CI_MAZE,
+    STUDY_MAZE,
+    SeedResult,
+    mean_se,
+    run_learner,
+    sft_checkpoint,
+)
 
 __all__ = ["configure", "main", "LEARNERS", "exact_reverse_kl"]
 
@@ -79,11 +86,11 @@ def _table(checkpoint: str, env_kwargs: dict[str, Any], threads: int) -> np.ndar
     from branchgym.agents.evaluation import exact_value
     from branchgym.agents.models import load_model
     from branchgym.agents.scoring import ScoringPolicy
-    from branchgym.executors import EnvSpec
+    from branchgym.executors import EnvRecipe
 
     model, tok = load_model(checkpoint)
     engine = HFEngine(model, tok, threads=threads)
-    spec = EnvSpec("branchgym/TextTreeMDP-v0", env_kwargs)
+    spec = EnvRecipe("branchgym/TextTreeMDP-v0", env_kwargs)
     return exact_value(spec, ScoringPolicy(engine)).table
 
 
@@ -99,7 +106,7 @@ def main(args: argparse.Namespace) -> int:
         args.seeds, args.steps, args.eval_every = min(args.seeds, 2), min(args.steps, 8), 4
         maze = CI_MAZE
     report = Report(args.out, "distill", "branchgym bench distill")
-    runs: dict[str, list[Run]] = {}
+    runs: dict[str, list[SeedResult]] = {}
     kls: dict[str, list[float]] = {}
     with tempfile.TemporaryDirectory(prefix="bench_distill_") as tmp:
         folder = Path(tmp)

@@ -28,7 +28,7 @@ from typing import Any
 from branchgym.bench.common import Report
 from branchgym.bench.runs import (
     CI_MAZE,
-    Run,
+    SeedResult,
     mean_curve,
     mean_se,
     reach_step,
@@ -69,7 +69,9 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--quick", action="store_true", help="1 seed, 4 steps (CI)")
 
 
-def _one(algo: str, seed: int, args: argparse.Namespace, folder: Path, teacher: str | None) -> Run:
+def _one(
+    algo: str, seed: int, args: argparse.Namespace, folder: Path, teacher: str | None
+) -> SeedResult:
     options: dict[str, Any] = {
         "steps": args.steps,
         "prompts_per_step": args.prompts,
@@ -96,7 +98,7 @@ def main(args: argparse.Namespace) -> int:
         f"prompt, {args.prompts} prompts per step, {args.steps} steps, lr {args.lr}, "
         f"{args.seeds} seeds; exact success (no evaluation noise)."
     )
-    runs: dict[str, list[Run]] = {}
+    runs: dict[str, list[SeedResult]] = {}
     with tempfile.TemporaryDirectory(prefix="bench_learners_") as tmp:
         folder = Path(tmp)
         teacher = None
@@ -130,7 +132,7 @@ def main(args: argparse.Namespace) -> int:
     }
     target = mean_curve(runs["grpo"])[1][-1] if "grpo" in runs else None
 
-    def grad_var(r: Run, part: int) -> float:
+    def grad_var(r: SeedResult, part: int) -> float:
         return window_variance(r.grad_norms, 2)[part]
 
     rows = []

@@ -37,7 +37,7 @@ from branchgym.bench.common import Report, positive_int
 from branchgym.bench.runs import (
     CI_MAZE,
     STUDY_MAZE,
-    Run,
+    SeedResult,
     mean_curve,
     mean_se,
     reach_step,
@@ -130,7 +130,7 @@ def _common(args: argparse.Namespace) -> dict[str, Any]:
     }
 
 
-def _row(label: str, runs: list[Run], prompts: int, target: float | None) -> list[Any]:
+def _row(label: str, runs: list[SeedResult], prompts: int, target: float | None) -> list[Any]:
     start = mean_se([r.start for r in runs])[0]
     end, se = mean_se([r.end for r in runs])
     reach = reach_step(runs, target) if target is not None else None
@@ -160,10 +160,10 @@ HEAD = [
 ]
 
 
-def _grad_ratios(bpo: list[Run], grpo: list[Run], scale_free: bool) -> list[float]:
+def _grad_ratios(bpo: list[SeedResult], grpo: list[SeedResult], scale_free: bool) -> list[float]:
     """BPO/GRPO ratio of the seed-mean gradient-norm variance in each third of training."""
 
-    def per_window(runs: list[Run]) -> np.ndarray:
+    def per_window(runs: list[SeedResult]) -> np.ndarray:
         v = np.array([window_variance(r.grad_norms, 3, scale_free=scale_free) for r in runs])
         ok = ~np.isnan(v)
         return np.where(
@@ -203,7 +203,7 @@ def main(args: argparse.Namespace) -> int:  # noqa: C901 - one study, read top t
             jobs += [
                 (group, label, "bpo", {"gap_unit": "steps", **o}) for label, o in configs.items()
             ]
-    runs: dict[tuple[str, str], list[Run]] = {}
+    runs: dict[tuple[str, str], list[SeedResult]] = {}
     with tempfile.TemporaryDirectory(prefix="bench_learning_") as tmp:
         folder = Path(tmp)
         todo = [(j, s) for j in jobs for s in range(args.seeds)]
@@ -313,7 +313,7 @@ def main(args: argparse.Namespace) -> int:  # noqa: C901 - one study, read top t
         report.figure(fig, "ablations", "Branching PO ablations: final success (mean ± SE)")
 
     if webshop:
-        ws_runs: dict[str, list[Run]] = webshop["runs"]
+        ws_runs: dict[str, list[SeedResult]] = webshop["runs"]
         report.add(
             f"## WebShop, tiny model after SFT\n\nSetup: branchgym/WebShop-v0 on the "
             f"generated 1,000-product catalog (train goals), episodes cut at "
@@ -424,7 +424,7 @@ def _webshop(args: argparse.Namespace, folder: Path) -> dict[str, Any]:
         noise=WEBSHOP_SFT_NOISE,
         threads=args.threads,
     )
-    out: dict[str, list[Run]] = {}
+    out: dict[str, list[SeedResult]] = {}
     todo = [(lb, s) for lb in MAIN for s in range(args.webshop_seeds)]
     for label, seed in tqdm(todo, desc="learning: WebShop runs", unit="run"):
         algo, opts = MAIN[label]

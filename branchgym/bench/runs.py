@@ -21,6 +21,7 @@ import numpy as np
 __all__ = [
     "CI_MAZE",
     "STUDY_MAZE",
+    "SeedResult",
     "Run",
     "mean_curve",
     "mean_se",
@@ -37,7 +38,7 @@ STUDY_MAZE = {"depth": 4, "n_actions": 3, "reward_kind": "bernoulli", "structure
 
 
 @dataclasses.dataclass
-class Run:
+class SeedResult:
     """One learner on one seed, reduced to what the studies report.
 
     Attributes:
@@ -82,6 +83,10 @@ class Run:
         return [float(h[key]) for h in self.history if key in h]
 
 
+#: Former name (``agents.training.Run`` is the training run; this is its reduced result).
+Run = SeedResult
+
+
 def run_learner(
     algo: str,
     seed: int,
@@ -91,7 +96,7 @@ def run_learner(
     env_id: str = "branchgym/TextTreeMDP-v0",
     env_kwargs: dict[str, Any] | None = None,
     **options: Any,
-) -> Run:
+) -> SeedResult:
     """Train ``algo`` on ``seed`` (options as for ``branchgym train``) and reduce the history."""
     from branchgym.agents.train import train
 
@@ -115,7 +120,7 @@ def run_learner(
         vals = [float(h[k]) for h in steps if k in h]
         return float(np.mean(vals)) if vals else float("nan")
 
-    return Run(
+    return SeedResult(
         algo=algo,
         seed=seed,
         label=label,
@@ -163,7 +168,7 @@ def mean_se(values: list[float]) -> tuple[float, float]:
     return float(v.mean()), se
 
 
-def mean_curve(runs: list[Run]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+def mean_curve(runs: list[SeedResult]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """(updates, mean success, standard error) over the runs' common evaluation steps."""
     steps = sorted(set.intersection(*(set(s for s, _ in r.curve) for r in runs)))
     vals = np.array([[dict(r.curve)[s] for s in steps] for r in runs])
@@ -171,7 +176,7 @@ def mean_curve(runs: list[Run]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     return np.array(steps), vals.mean(axis=0), se
 
 
-def reach_step(runs: list[Run], target: float) -> int | None:
+def reach_step(runs: list[SeedResult], target: float) -> int | None:
     """First evaluated update (> 0) at which the mean curve reaches ``target``."""
     steps, mean, _ = mean_curve(runs)
     hits = [int(s) for s, v in zip(steps, mean, strict=True) if s > 0 and v >= target - 1e-9]

@@ -36,8 +36,8 @@ SOURCE_MS = {
 SECTIONS: list[str] = [
     "branchgym.bench.snapshot:section_registered",
     "branchgym.bench.snapshot:section_cartpole",
-    "branchgym.envs.webshop.bench:section_webshop",
-    "branchgym.envs.alfworld.bench:section_alfworld",
+    "branchgym.bench.webshop:section_webshop",
+    "branchgym.bench.alfworld:section_alfworld",
     "branchgym.bench.swebench:section_swebench",
 ]
 

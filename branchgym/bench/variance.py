@@ -194,7 +194,7 @@ def diagnose(
 
     import gymnasium as gym
 
-    from branchgym.executors import EnvSpec, InProcessExecutor
+    from branchgym.executors import EnvRecipe, InProcessExecutor
     from branchgym.rollout import grow_tree
 
     if independent < 2 or completions < 2:
@@ -206,7 +206,7 @@ def diagnose(
     else:
         pol, label = policy, type(policy).__name__
     t0 = time.perf_counter()
-    spec = EnvSpec(env_id, kwargs)
+    spec = EnvRecipe(env_id, kwargs)
     ex = InProcessExecutor()
     var_ind, var_win, rets, lengths = [], [], [], []
     mid_depths = []

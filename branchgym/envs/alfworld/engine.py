@@ -27,6 +27,10 @@ planner's goal test) and adds what branching needs:
 
 Translations and parsed grammars are cached per process, so resetting to a game an engine
 has seen, or restoring one snapshot into K sibling engines, translates once.
+
+Why this module is over 600 lines: the library pool, the translation cache, the game
+logic and the state capture all act on one loaded copy of ``libdownward`` and share its
+invariants (a copy is never ``dlclose``-d; a fast capture is valid only in its epoch).
 """
 
 from __future__ import annotations
@@ -59,6 +63,7 @@ __all__ = [
     "Fact",
     "alfred_domain",
     "alfred_grammar",
+    "clear_game_caches",
     "engine_available",
     "require_engine",
     "set_parse_cache",
@@ -437,8 +442,12 @@ def _pddl_state_class() -> type:
     return EnginePddlState
 
 
-def _fact_data(prop: Any) -> Fact:
+def fact_data(prop: Any) -> Fact:
+    """A TextWorld proposition as plain data: ``(name, ((variable, type), ...))``."""
     return (prop.name, tuple((v.name, v.type) for v in prop.arguments))
+
+
+_fact_data = fact_data  # former private name
 
 
 def _proposition(fact: Fact) -> Any:
@@ -574,6 +583,16 @@ class _GameStatic:
 _STATICS = _LRU(256)
 
 
+def clear_game_caches() -> None:
+    """Forget every game's translation and per-game setup (the base grammar stays).
+
+    The next restore of a portable snapshot then costs what it costs in a process that
+    has never seen the game (what ``branchgym bench snapshot`` times as "cold").
+    """
+    _TRANSLATIONS.data.clear()
+    _STATICS.data.clear()
+
+
 def _atom_keys(facts: _Facts) -> set[tuple[str, tuple[str, ...]]]:
     return {
         (p.name, tuple(v.name for v in p.arguments))
@@ -608,8 +627,8 @@ def fact_delta(static: _GameStatic, facts: _Facts) -> tuple[tuple[Fact, ...], tu
     """Facts added to and removed from the game's initial facts (portable, sorted)."""
     current = facts.propositions()
     initial = static.initial_facts
-    added = tuple(sorted(_fact_data(p) for p in current - initial))
-    removed = tuple(sorted(_fact_data(p) for p in initial - current))
+    added = tuple(sorted(fact_data(p) for p in current - initial))
+    removed = tuple(sorted(fact_data(p) for p in initial - current))
     return added, removed
 
 
@@ -864,7 +883,7 @@ class Engine:
         for item in self._static.parsed:
             if isinstance(item, list) and item and item[0] == ":init":
                 init += [f for f in item[1:] if isinstance(f, list) and f and f[0] == "="]
-        atoms = sorted(_fact_data(p) for p in facts.propositions() if not p.name.startswith("not_"))
+        atoms = sorted(fact_data(p) for p in facts.propositions() if not p.name.startswith("not_"))
         init += [[name, *(a for a, _ in args)] for name, args in atoms]
         parts = [
             init if isinstance(item, list) and item and item[0] == ":init" else item

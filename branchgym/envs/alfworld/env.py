@@ -369,10 +369,10 @@ class ALFWorldEnv(SnapshottableEnv[str, str]):
         """Hash of the game, its facts, the last text and the episode counters."""
         if self._index is None:
             return stable_hash(type(self).__qualname__, None)
-        from branchgym.envs.alfworld.engine import _fact_data
+        from branchgym.envs.alfworld.engine import fact_data
 
         state = self.engine.state
-        facts = sorted(_fact_data(p) for p in self.engine.current_facts().propositions())
+        facts = sorted(fact_data(p) for p in self.engine.current_facts().propositions())
         return stable_hash(
             type(self).__qualname__,
             self.problem.key,

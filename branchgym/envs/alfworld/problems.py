@@ -22,6 +22,10 @@ its task type, and the planner's expert plan.
   real ALFWorld ``game.tw-pddl`` files (a file, or a folder searched recursively).
 
 Loading problems never needs the engine; generating and validating them does.
+
+Why this module is over 600 lines: most of it is the generator's tables (layouts,
+affordances, goal wording) next to the validation that keeps them consistent with the
+engine; the loader shares the problem format they produce.
 """
 
 from __future__ import annotations

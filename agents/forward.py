@@ -1,0 +1,174 @@
+"""Log-probs with gradients in packed forward passes (4-D attention masks).
+
+* :class:`Pack`: one sequence of a forward pass: a row's dialogue plus side branches
+  (other candidates of a decision) that see only their attach prefix.
+* :func:`packed_forward`: the log-prob of every target of every pack in one padded
+  pass; :func:`bucketed_forward` splits the packs into :func:`length_buckets` of at most
+  :data:`FORWARD_TOKENS` padded tokens first.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from typing import Any
+
+from branchgym.error import DependencyMissingError, TrainingConfigError
+
+try:
+    import torch
+    from torch import Tensor
+except ImportError as exc:  # pragma: no cover - exercised only without the extra
+    raise DependencyMissingError.for_extra("branchgym.agents.forward", "llm", "torch") from exc
+
+__all__ = ["FORWARD_TOKENS", "Pack", "bucketed_forward", "length_buckets", "packed_forward"]
+
+
+@dataclasses.dataclass
+class Pack:
+    """One sequence of a packed forward pass.
+
+    Attributes:
+        tokens: The row's dialogue, then any extra segments.
+        segments: ``(start, end, attach)``: tokens ``[start, end)`` are a side branch that
+            sees ``tokens[:attach]`` and itself (causally), placed at positions
+            ``attach, attach + 1, ...``: how other candidates of a decision are scored
+            without repeating the dialogue.
+        targets: ``(predictor, token)``: score ``token`` under the distribution at index
+            ``predictor``.
+    """
+
+    tokens: list[int]
+    segments: list[tuple[int, int, int]] = dataclasses.field(default_factory=list)
+    targets: list[tuple[int, int]] = dataclasses.field(default_factory=list)
+
+    def positions(self) -> list[int]:
+        """Position id of every token (side branches continue their attach point)."""
+        pos = list(range(len(self.tokens)))
+        for start, end, attach in self.segments:
+            pos[start:end] = range(attach, attach + end - start)
+        return pos
+
+
+def packed_forward(
+    model: Any,
+    packs: Sequence[Pack],
+    device: torch.device,
+    *,
+    logit_positions: Sequence[Sequence[int]] | None = None,
+) -> tuple[list[Tensor], list[Tensor]]:
+    """Log-prob of every target of every pack, in one padded forward pass.
+
+    Packs without side branches use the ordinary causal mask; otherwise each pack gets a
+    4-D boolean mask (side branches see their attach prefix and themselves) and explicit
+    position ids. Only hidden states that predict a target go through the output layer,
+    so a large vocabulary costs ``(targets x V)``, not ``(positions x V)``.
+
+    Returns:
+        Per pack, a tensor of its targets' log-probs; and per pack the full next-token
+        logits at ``logit_positions`` (PBR's constraints).
+    """
+    width = max(len(p.tokens) for p in packs)
+    ids = torch.zeros(len(packs), width, dtype=torch.long)
+    pos = torch.zeros(len(packs), width, dtype=torch.long)
+    branched = any(p.segments for p in packs)
+    if branched:
+        att = torch.eye(width, dtype=torch.bool).repeat(len(packs), 1, 1)  # padding: self only
+    else:
+        att = torch.zeros(len(packs), width, dtype=torch.long)
+    for i, p in enumerate(packs):
+        n = len(p.tokens)
+        ids[i, :n] = torch.as_tensor(p.tokens, dtype=torch.long)
+        pos[i, :n] = torch.as_tensor(p.positions(), dtype=torch.long)
+        if not branched:
+            att[i, :n] = 1
+            continue
+        first = min([s for s, _, _ in p.segments] + [n])
+        att[i, :first, :first] = torch.tril(torch.ones(first, first, dtype=torch.bool))
+        for start, end, attach in p.segments:
+            att[i, start:end, :attach] = True
+            att[i, start:end, start:end] = torch.tril(
+                torch.ones(end - start, end - start, dtype=torch.bool)
+            )
+    ids, pos, att = ids.to(device), pos.to(device), att.to(device)
+    if branched:
+        att = att[:, None]  # (B, 1, L, L)
+    rows, cols, tgt = [], [], []
+    for i, p in enumerate(packs):
+        for predictor, token in p.targets:
+            if predictor < 0:
+                raise TrainingConfigError("a scored token needs at least one token of context")
+            rows.append(i)
+            cols.append(predictor)
+            tgt.append(int(token))
+    for i, where in enumerate(logit_positions or []):
+        rows.extend([i] * len(where))
+        cols.extend(where)
+    r = torch.tensor(rows, dtype=torch.long, device=device)
+    c = torch.tensor(cols, dtype=torch.long, device=device)
+    base = getattr(model, "base_model", None)
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    if base is not None and head is not None and base is not model:
+        hidden = base(input_ids=ids, attention_mask=att, position_ids=pos).last_hidden_state
+        logits = head(hidden[r, c])
+    else:  # a model without a separate head: the full logits
+        logits = model(input_ids=ids, attention_mask=att, position_ids=pos).logits[r, c]
+    logits = logits.float()
+    n = len(tgt)
+    picked = torch.log_softmax(logits[:n], dim=-1).gather(
+        -1, torch.tensor(tgt, dtype=torch.long, device=device)[:, None]
+    )[:, 0]
+    out, extra, at = [], [], 0
+    for p in packs:
+        out.append(picked[at : at + len(p.targets)])
+        at += len(p.targets)
+    at = n
+    for where in logit_positions or []:
+        extra.append(logits[at : at + len(where)])
+        at += len(where)
+    return out, extra
+
+
+#: Padded tokens (rows x longest row) per forward pass of :func:`bucketed_forward`.
+FORWARD_TOKENS = 8_192
+
+
+def length_buckets(lengths: Sequence[int], budget: int = FORWARD_TOKENS) -> list[list[int]]:
+    """Indices of ``lengths`` in forward batches of at most ``budget`` padded tokens.
+
+    Everything stays in one batch, in its order, when it fits. Otherwise rows are sorted
+    by length and cut greedily, so short rows are not padded to the longest one: attention
+    costs ``rows x width^2`` per batch, and one long WebShop dialogue in a batch of short
+    ones would multiply the cost of all of them (a row longer than the budget goes alone).
+    """
+    if not lengths:
+        return []
+    if len(lengths) * max(lengths) <= budget:
+        return [list(range(len(lengths)))]
+    out: list[list[int]] = [[]]
+    for i in sorted(range(len(lengths)), key=lambda j: lengths[j]):
+        if out[-1] and (len(out[-1]) + 1) * lengths[i] > budget:
+            out.append([])
+        out[-1].append(i)
+    return out
+
+
+def bucketed_forward(
+    model: Any,
+    packs: Sequence[Pack],
+    device: torch.device,
+    *,
+    logit_positions: Sequence[Sequence[int]] | None = None,
+) -> tuple[list[Tensor], list[Tensor]]:
+    """:func:`packed_forward` over :func:`length_buckets`; results in the packs' order."""
+    buckets = length_buckets([len(p.tokens) for p in packs], FORWARD_TOKENS)
+    if len(buckets) == 1:
+        return packed_forward(model, packs, device, logit_positions=logit_positions)
+    scores: dict[int, Tensor] = {}
+    extra: dict[int, Tensor] = {}
+    for b in buckets:
+        where = [logit_positions[i] for i in b] if logit_positions is not None else None
+        s, e = packed_forward(model, [packs[i] for i in b], device, logit_positions=where)
+        scores.update(zip(b, s, strict=True))
+        extra.update(zip(b, e, strict=False))  # e is empty without logit positions
+    return [scores[i] for i in range(len(packs))], [extra[i] for i in sorted(extra)]

@@ -1,0 +1,236 @@
+"""Learner options: :class:`TrainArgs` and reading Args dataclasses from the CLI or JSON.
+
+* :class:`TrainArgs`: the options every learner has (env, model, policy, optimiser,
+  schedule, batch, checkpoints), each with a docstring; learners subclass it.
+* :func:`args_from_dict`: build an Args dataclass from strings (CLI) or JSON values,
+  converting each to its field's type; :func:`field_docs` reads the field docstrings
+  (``--options``).
+* :func:`require`, :func:`require_one_of`: argument checks that raise
+  :class:`~branchgym.error.TrainingConfigError` with a message that says the fix.
+"""
+
+from __future__ import annotations
+
+import ast
+import dataclasses
+import difflib
+import inspect
+import json
+import textwrap
+import types
+import typing
+from typing import Any
+
+from branchgym.agents.lr_schedules import LR_SCHEDULES
+from branchgym.agents.policy_kinds import POLICIES
+
+from branchgym.error import TrainingConfigError
+
+__all__ = ["TrainArgs", "args_from_dict", "field_docs", "require", "require_one_of"]
+
+
+@dataclasses.dataclass
+class TrainArgs:
+    """Options every learner shares. Learners subclass this with their own fields."""
+
+    env_id: str = "branchgym/TextTreeMDP-v0"
+    """Environment id. The sources train on WebShop, ALFWorld and SWE-bench; TextTreeMDP
+    (a maze with exact values) is the CI-sized task."""
+    env_kwargs: dict[str, Any] = dataclasses.field(default_factory=dict)
+    """Keyword arguments of ``gym.make`` (e.g. ``{"depth": 3, "reward_kind": "bernoulli"}``)."""
+    model: str = "tiny"
+    """``tiny`` (random Qwen2, offline), ``smollm2`` (SmolLM2-135M-Instruct) or a model
+    folder (``save_pretrained``; an SFT checkpoint)."""
+    policy: str = "auto"
+    """``generate`` (free generation, parsed ReAct replies), ``scoring`` (softmax over the
+    admissible actions' sequence log-probs, for tiny models) or ``auto`` (scoring for the
+    ``tiny`` model, generate otherwise)."""
+    seed: int = 0
+    """Seed of prompts, sampling and the schedule; each step's randomness derives from
+    ``(seed, step)``, which makes resuming exact."""
+    steps: int = 100
+    """Rollout batches (each followed by ``updates_per_batch`` optimizer updates)."""
+    prompts_per_step: int = 128
+    """Prompts (task instances, reset seeds) per rollout batch (128 in the BPO source)."""
+    lr: float = 2e-6
+    """AdamW learning rate (BPO source: 2e-6; Bellman PO: 1e-6)."""
+    lr_schedule: str = "cosine"
+    """A key of :data:`LR_SCHEDULES`: ``cosine`` (BPO source), ``constant`` (Bellman PO),
+    ``linear``."""
+    warmup_steps: int = 0
+    """Linear warm-up steps before the schedule."""
+    weight_decay: float = 0.01
+    """AdamW weight decay (torch's default; Bellman PO's source: 0.1)."""
+    adam_betas: tuple[float, float] = (0.9, 0.999)
+    """AdamW betas (Bellman PO's source: (0.9, 0.98))."""
+    grad_clip: float = 1.0
+    """Clip the gradient's global norm to this (0: no clipping; Bellman PO: 1.0)."""
+    updates_per_batch: int = 1
+    """Optimizer updates per rollout batch: the rows are split into this many mini-batches
+    (whole groups each), cycled when there are fewer groups than updates."""
+    micro_batch_rows: int = 0
+    """Rows per forward/backward pass inside an update (gradient accumulation; 0: all)."""
+    max_new_tokens: int = 48
+    """Tokens per generated action (``generate`` policy)."""
+    scoring_template: str = "Action: {action}"
+    """How the ``scoring`` policy writes an admissible action as a reply."""
+    max_episode_steps: int | None = None
+    """Truncate rollouts after this many decisions (default: the env's time limit, else 100)."""
+    success_threshold: float = 1.0
+    """A rollout succeeds when its env says so (``won``/``success``/``resolved`` in info), else
+    when its return reaches this (WebShop's and SWE-bench's success is reward 1)."""
+    eval_episodes: int = 0
+    """Episodes of the fixed evaluation set, run before training, every ``eval_every``
+    steps and at the end (0: no evaluation)."""
+    eval_every: int = 0
+    """Evaluate every this many steps (0: only at the start and the end)."""
+    eval_seed: int = 1_000_000
+    """First reset seed of the evaluation set (episode i uses eval_seed + i; the policy's
+    sampling is seeded the same way, so evaluations are paired)."""
+    out_dir: str | None = None
+    """Where metrics.jsonl, checkpoints and curves.png go (default: runs/<algo>-<env>-<seed>)."""
+    checkpoint_every: int = 0
+    """Save a checkpoint every this many steps (0: only at the end)."""
+    resume: str | None = None
+    """A checkpoint folder to resume from, exactly (weights, optimizer, scheduler, step)."""
+    overwrite: bool = False
+    """Start a new run in an ``out_dir`` that already holds one (its metrics are replaced)."""
+    device: str = "auto"
+    """``auto`` (CUDA when present), ``cpu`` or ``cuda``."""
+    precision: str = "auto"
+    """``auto``: float32 weights, bfloat16 autocast on CUDA; ``fp32``: float32 everywhere."""
+    threads: int | None = None
+    """torch CPU threads (one is fastest for tiny models on a shared CPU)."""
+    executor: str = "inprocess"
+    """Where sandboxes run: ``inprocess``, ``thread``, ``process`` or ``ray``."""
+    progress: bool = True
+    """Show a tqdm progress bar."""
+
+    def check(self) -> None:
+        """Raise :class:`TrainingConfigError` for an option out of range (subclasses extend)."""
+        positive = ("steps", "prompts_per_step", "updates_per_batch", "max_new_tokens")
+        for name in positive:
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise TrainingConfigError(f"{name} must be an integer >= 1; got {value!r}.")
+        for name in ("micro_batch_rows", "warmup_steps", "eval_episodes", "eval_every"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise TrainingConfigError(f"{name} must be an integer >= 0; got {value!r}.")
+        require(self.lr > 0, f"lr must be > 0; got {self.lr}.")
+        require(self.weight_decay >= 0, f"weight_decay must be >= 0; got {self.weight_decay}.")
+        require(self.grad_clip >= 0, f"grad_clip must be >= 0 (0: off); got {self.grad_clip}.")
+        require(
+            len(self.adam_betas) == 2 and all(0 <= b < 1 for b in self.adam_betas),
+            f"adam_betas must be two numbers in [0, 1); got {self.adam_betas}.",
+        )
+        require_one_of("policy", self.policy, ("auto", *POLICIES))
+        require_one_of("lr_schedule", self.lr_schedule, LR_SCHEDULES)
+        require_one_of("device", self.device, ("auto", "cpu", "cuda"))
+        require_one_of("precision", self.precision, ("auto", "fp32"))
+        if not isinstance(self.env_kwargs, dict):
+            raise TrainingConfigError(
+                f"env_kwargs must be a dict of gym.make keywords; got {self.env_kwargs!r}."
+            )
+
+
+def require(ok: bool, message: str) -> None:
+    """Raise :class:`TrainingConfigError` with ``message`` unless ``ok`` (argument checks)."""
+    if not ok:
+        raise TrainingConfigError(message)
+
+
+def require_one_of(name: str, value: Any, options: Any) -> None:
+    """Raise :class:`TrainingConfigError` unless ``value`` is in ``options`` (names the closest)."""
+    if value not in options:
+        close = difflib.get_close_matches(str(value), [str(o) for o in options], n=1)
+        hint = f" Did you mean {close[0]!r}?" if close else ""
+        raise TrainingConfigError(
+            f"{name} must be one of {', '.join(map(str, options))}; got {value!r}.{hint}"
+        )
+
+
+def field_docs(cls: type) -> dict[str, str]:
+    """The docstring under each dataclass field (CleanRL style), through the class's bases."""
+    docs: dict[str, str] = {}
+    for klass in reversed(cls.__mro__):
+        if not dataclasses.is_dataclass(klass):
+            continue
+        try:
+            tree = ast.parse(textwrap.dedent(inspect.getsource(klass)))
+        except (OSError, TypeError):  # pragma: no cover - classes built at run time
+            continue
+        body = tree.body[0].body if tree.body and isinstance(tree.body[0], ast.ClassDef) else []
+        for stmt, nxt in zip(body, [*body[1:], None], strict=True):
+            if (
+                isinstance(stmt, ast.AnnAssign)
+                and isinstance(stmt.target, ast.Name)
+                and isinstance(nxt, ast.Expr)
+                and isinstance(nxt.value, ast.Constant)
+                and isinstance(nxt.value.value, str)
+            ):
+                docs[stmt.target.id] = " ".join(nxt.value.value.split())
+    return docs
+
+
+def _coerce(value: Any, hint: Any, name: str) -> Any:
+    """Convert a CLI string (or a JSON value) to the field's type."""
+    origin = typing.get_origin(hint)
+    args = typing.get_args(hint)
+    if origin in (typing.Union, types.UnionType):
+        if value is None or (isinstance(value, str) and value.lower() in ("none", "null")):
+            return None
+        non_none = [a for a in args if a is not type(None)]
+        return _coerce(value, non_none[0], name)
+    if not isinstance(value, str):
+        if origin is tuple and isinstance(value, list):
+            return tuple(value)
+        return value
+    try:
+        if hint is bool:
+            low = value.lower()
+            if low not in ("true", "false", "1", "0", "yes", "no"):
+                raise ValueError(value)
+            return low in ("true", "1", "yes")
+        if hint in (int, float, str):
+            return hint(value)
+        if origin in (dict, tuple, list):
+            parsed = json.loads(value) if value.strip()[:1] in "[{" else value.split(",")
+            if origin is tuple:
+                inner = [a for a in args if a is not Ellipsis] or [str]
+                return tuple(
+                    _coerce(v, inner[min(i, len(inner) - 1)], name) for i, v in enumerate(parsed)
+                )
+            return parsed
+    except (ValueError, json.JSONDecodeError) as exc:
+        raise TrainingConfigError(
+            f"option {name}: cannot read {value!r} as {getattr(hint, '__name__', hint)}."
+        ) from exc
+    return value
+
+
+def args_from_dict(cls: type, values: dict[str, Any]) -> Any:
+    """Build ``cls`` (an Args dataclass) from a dict, converting strings to the field types.
+
+    Unknown names raise :class:`TrainingConfigError` with the closest option; the result
+    has been :meth:`TrainArgs.check`-ed.
+    """
+    hints = typing.get_type_hints(cls)
+    names = [f.name for f in dataclasses.fields(cls)]
+    kwargs = {}
+    for key, value in values.items():
+        name = key.replace("-", "_")
+        if name not in names:
+            close = difflib.get_close_matches(name, names, n=2)
+            hint = f" Did you mean {' or '.join(map(repr, close))}?" if close else ""
+            raise TrainingConfigError(
+                f"{cls.__module__.rsplit('.', 1)[-1]} has no option {key!r}.{hint} "
+                "`branchgym train --algo ALGO --options` lists them."
+            )
+        kwargs[name] = _coerce(value, hints[name], name)
+    try:
+        args = cls(**kwargs)
+    except TypeError as exc:  # pragma: no cover - guarded by the name check above
+        raise TrainingConfigError(str(exc)) from exc
+    args.check()
+    return args

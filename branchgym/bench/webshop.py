@@ -1,0 +1,250 @@
+"""WebShop benchmarks: snapshot cost by catalog size, and the scripted expert's reward.
+
+* :func:`section_webshop` is a section of ``branchgym bench snapshot``: snapshot, restore
+  and step times and snapshot bytes over many states of seeded random episodes, on the
+  generated catalog at 1,000 and 100,000 products (``--quick``: 1,000 only), against
+  the targets (snapshot + restore under 1 ms median, snapshot under 2 KB, a step under
+  5 ms median at 1,000 products) and the 42 ms the BPO source reports.
+* ``branchgym bench webshop`` (:func:`configure`, :func:`main`) runs the scripted expert
+  on every goal of a split (default: the 500 test goals) and reports its mean reward,
+  success rate and the reward's components, with a histogram.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from typing import Any
+
+import gymnasium as gym
+import numpy as np
+from tqdm import tqdm
+
+from branchgym.bench.common import Report, Timing
+
+__all__ = ["section_webshop", "measure_webshop", "configure", "main", "TARGETS"]
+
+#: Targets of the WebShop issue, checked at 1,000 products.
+TARGETS = {"snapshot_restore_ms": 1.0, "snapshot_bytes": 2048, "step_ms": 5.0}
+SOURCE_MS = 42.0  # snapshot cost the BPO source reports for WebShop
+
+
+def measure_webshop(n_products: int, *, episodes: int, seed: int) -> dict[str, Any]:
+    """Time snapshot/restore at every state of ``episodes`` seeded random episodes."""
+    t0 = time.perf_counter()
+    env = gym.make("branchgym/WebShop-v0", generated_products=n_products, split="all")
+    env.unwrapped.catalog.index  # noqa: B018 - build or load the index before timing
+    load_s = time.perf_counter() - t0
+    rng = np.random.default_rng(seed)
+    snap_t, rest_t, pair_t, nbytes = [], [], [], []
+    step_t: dict[str, list[float]] = {"search": [], "click": []}
+    replay_t, depths = [], []
+    for ep in tqdm(range(episodes), desc=f"webshop bench: {n_products:,} products", unit="ep"):
+        _, info = env.reset(seed=seed + ep)
+        actions: list[str] = []
+        done = False
+        while not done:
+            t0 = time.perf_counter()
+            snap = env.snapshot()
+            t1 = time.perf_counter()
+            env.restore(snap)
+            t2 = time.perf_counter()
+            snap_t.append(t1 - t0)
+            rest_t.append(t2 - t1)
+            pair_t.append(t2 - t0)
+            nbytes.append(snap.nbytes)
+            snap.release()
+            acts = info["admissible_actions"]
+            # a shopper that mostly browses: Buy Now rarely, so episodes run deep
+            choices = [a for a in acts if a != "click[buy now]"] or acts
+            if "click[buy now]" in acts and rng.random() < 0.15:
+                choices = ["click[buy now]"]
+            action = choices[int(rng.integers(len(choices)))]
+            t0 = time.perf_counter()
+            _, _, term, trunc, info = env.step(action)
+            step_t["search" if action.startswith("search[") else "click"].append(
+                time.perf_counter() - t0
+            )
+            actions.append(action)
+            done = term or trunc
+        # the alternative to a snapshot: reset and replay to the state before the end
+        prefix = actions[:-1]
+        t0 = time.perf_counter()
+        env.reset(seed=seed + ep)
+        for a in prefix:
+            env.step(a)
+        replay_t.append(time.perf_counter() - t0)
+        depths.append(len(prefix))
+    env.close()
+    all_steps = step_t["search"] + step_t["click"]
+    return {
+        "products": n_products,
+        "load_s": load_s,
+        "states": len(pair_t),
+        "snapshot": Timing.of(snap_t),
+        "restore": Timing.of(rest_t),
+        "pair": Timing.of(pair_t),
+        "bytes_median": int(np.median(nbytes)),
+        "bytes_max": int(np.max(nbytes)),
+        "step": Timing.of(all_steps),
+        "step_search": Timing.of(step_t["search"]),
+        "step_click": Timing.of(step_t["click"]),
+        "replay": Timing.of(replay_t),
+        "replay_depth": float(np.mean(depths)),
+    }
+
+
+def _verdict(ok: bool) -> str:
+    return "yes" if ok else "NO"
+
+
+def section_webshop(report: Report, args: argparse.Namespace) -> None:
+    """WebShop snapshot cost at 1,000 and 100,000 products (``--quick``: 1,000 only)."""
+    scales = [1_000] if args.quick else [1_000, 100_000]
+    episodes = max(5, args.repeats) if args.quick else max(30, 2 * args.repeats)
+    results = [measure_webshop(n, episodes=episodes, seed=args.seed) for n in scales]
+    rows = []
+    for m in results:
+        rows.append(
+            [
+                f"{m['products']:,}",
+                m["states"],
+                f"{m['snapshot'].median_ms:.3f} / {m['snapshot'].p90_ms:.3f}",
+                f"{m['restore'].median_ms:.3f} / {m['restore'].p90_ms:.3f}",
+                f"{m['pair'].median_ms:.3f}",
+                f"{m['bytes_median']} / {m['bytes_max']}",
+                f"{m['step'].median_ms:.3f} / {m['step'].p90_ms:.3f}",
+                f"{m['step_search'].median_ms:.3f}",
+                f"{m['step_click'].median_ms:.3f}",
+                f"{m['replay'].median_ms:.2f} (depth {m['replay_depth']:.1f})",
+                f"{m['load_s']:.1f} s",
+                f"{SOURCE_MS / max(m['pair'].median_ms, 1e-9):,.0f}x",
+            ]
+        )
+    report.add(
+        "## WebShop: snapshot cost by catalog size\n\n"
+        f"Generated catalogs; {episodes} seeded random-shopper episodes each, a snapshot + "
+        "restore at every state (median / p90, ms). *Bytes* are the pickled snapshot "
+        "(median / max). *Replay* resets and replays the episode to its last state. "
+        "*Load* is the first `gym.make` (catalog and index from the disk cache, or built). "
+        f"*vs source* divides the BPO source's {SOURCE_MS:.0f} ms by our median snapshot + "
+        "restore."
+    )
+    print(
+        report.table(
+            [
+                "products",
+                "states",
+                "snapshot ms",
+                "restore ms",
+                "snap+restore ms",
+                "bytes",
+                "step ms",
+                "search step ms",
+                "click step ms",
+                "replay ms",
+                "load",
+                "vs source",
+            ],
+            rows,
+        )
+    )
+    small = results[0]
+    checks = [
+        [
+            "snapshot + restore median < 1 ms",
+            f"{small['pair'].median_ms:.3f} ms",
+            _verdict(small["pair"].median_ms < TARGETS["snapshot_restore_ms"]),
+        ],
+        [
+            "snapshot < 2 KB",
+            f"{small['bytes_max']} B (max)",
+            _verdict(small["bytes_max"] < TARGETS["snapshot_bytes"]),
+        ],
+        [
+            "step median < 5 ms",
+            f"{small['step'].median_ms:.3f} ms",
+            _verdict(small["step"].median_ms < TARGETS["step_ms"]),
+        ],
+    ]
+    report.add("Targets at 1,000 products:")
+    print(report.table(["target", "measured", "met"], checks))
+    report.data["webshop"] = [
+        {k: (v.__dict__ if isinstance(v, Timing) else v) for k, v in m.items()} for m in results
+    ]
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6.5, 3.2))
+    labels = ["snapshot", "restore", "click step", "search step", "replay"]
+    keys = ["snapshot", "restore", "step_click", "step_search", "replay"]
+    x = np.arange(len(labels))
+    width = 0.8 / len(results)
+    for j, m in enumerate(results):
+        ax.bar(x + j * width, [m[k].median_ms for k in keys], width, label=f"{m['products']:,}")
+    ax.axhline(SOURCE_MS, color="k", ls="--", lw=1, label="source snapshot (42 ms)")
+    ax.set_xticks(x + width * (len(results) - 1) / 2, labels)
+    ax.set_yscale("log")
+    ax.set_ylabel("median ms (log)")
+    ax.legend(fontsize=8, title="products", title_fontsize=8)
+    report.figure(fig, "webshop", "WebShop: median cost per operation by catalog size")
+
+
+# ------------------------------------------------------------------ expert study
+
+
+def configure(parser: argparse.ArgumentParser) -> None:
+    """Options of ``branchgym bench webshop``."""
+    parser.add_argument("--out", default="results", help="results folder (default: results)")
+    parser.add_argument("--split", default="test", help="goal split (default: test, 500 goals)")
+    parser.add_argument("--limit", type=int, default=None, help="only the first N goals")
+    parser.add_argument("--data-dir", default=None, help="real WebShop data folder")
+    parser.add_argument("--quick", action="store_true", help="first 50 goals only (CI)")
+
+
+def main(args: argparse.Namespace) -> int:
+    """Run the scripted expert on a goal split and report its reward."""
+    from branchgym.envs.webshop.expert import run_expert
+
+    env = gym.make("branchgym/WebShop-v0", data_dir=args.data_dir, split=args.split)
+    n = len(env.unwrapped.split_goals)
+    limit = 50 if args.quick else args.limit
+    goals = range(min(n, limit) if limit else n)
+    t0 = time.perf_counter()
+    res = run_expert(env, goals, split=args.split, progress=True)
+    secs = time.perf_counter() - t0
+    report = Report(args.out, "webshop", "branchgym bench webshop: the scripted expert")
+    cat = env.unwrapped.catalog
+    report.add(
+        f"Catalog: {cat.source} ({len(cat):,} products, {len(cat.goals):,} goals). Split "
+        f"{args.split!r}: {len(goals)} goals. The expert searches with the instruction, "
+        "opens the result whose title shares most words with it (within budget), clicks "
+        "the option values the instruction names, and buys."
+    )
+    rewards = np.array(res.rewards)
+    rows = [
+        ["goals", len(rewards)],
+        ["mean reward", f"{res.mean:.4f}"],
+        ["success rate (reward = 1)", f"{res.success_rate:.3f}"],
+        ["bought the goal's own product", f"{np.mean(res.exact):.3f}"],
+        ["mean steps", f"{np.mean(res.steps):.2f}"],
+        ["episodes per second", f"{len(rewards) / secs:.0f}"],
+    ]
+    print(report.table(["figure", "value"], rows))
+    report.data["expert"] = {
+        "split": args.split,
+        "rewards": res.rewards,
+        "mean": res.mean,
+        "success_rate": res.success_rate,
+    }
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(5, 3))
+    ax.hist(rewards, bins=np.linspace(0, 1, 21), color="tab:blue")
+    ax.axvline(res.mean, color="k", ls="--", lw=1, label=f"mean {res.mean:.3f}")
+    ax.set_xlabel("reward")
+    ax.set_ylabel("episodes")
+    ax.legend(fontsize=8)
+    report.figure(fig, "expert", f"Scripted expert's reward on the {args.split} goals")
+    path = report.save()
+    print(f"\nreport: {path}")
+    return 0

@@ -1,0 +1,169 @@
+"""Import arrows run one way: env -> snapshot -> tree -> rows -> loss -> learner.
+
+These tests read the source with :mod:`ast` (no imports run), so a lazy import inside a
+function counts the same as one at the top of a module.
+"""
+
+import ast
+import pathlib
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+#: Source folders and the package each is installed as (see pyproject's package-dir).
+PACKAGES = {
+    "branchgym": "branchgym",
+    "agents": "branchgym.agents",
+    "wrappers": "branchgym.wrappers",
+    "scenarios": "branchgym.scenarios",
+}
+
+
+def module_name(path: pathlib.Path) -> str:
+    rel = path.relative_to(ROOT).with_suffix("")
+    parts = [*PACKAGES[rel.parts[0]].split("."), *rel.parts[1:]]
+    if parts[-1] == "__init__":
+        parts.pop()
+    return ".".join(parts)
+
+
+def source_files(*folders: str):
+    for folder in folders:
+        for path in sorted((ROOT / folder).rglob("*.py")):
+            if "__pycache__" not in path.parts:
+                yield path
+
+
+def imports(path: pathlib.Path):
+    """``(line, imported module, imported names)`` for every import in ``path``."""
+    me = module_name(path)
+    package = me if path.name == "__init__.py" else me.rpartition(".")[0]
+    for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+        if isinstance(node, ast.Import):
+            for alias in node.names:
+                yield node.lineno, alias.name, ()
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = package.split(".")[: len(package.split(".")) - node.level + 1]
+                module = ".".join([*base, *([node.module] if node.module else [])])
+            else:
+                module = node.module or ""
+            yield node.lineno, module, tuple(alias.name for alias in node.names)
+
+
+def is_under(module: str, package: str) -> bool:
+    return module == package or module.startswith(package + ".")
+
+
+def test_module_names_map_the_source_folders():
+    assert module_name(ROOT / "agents" / "policy.py") == "branchgym.agents.policy"
+    assert module_name(ROOT / "branchgym" / "bench" / "__init__.py") == "branchgym.bench"
+
+
+def test_engine_imports_nothing_from_agents():
+    """The core package (all of branchgym/ but bench/ and the CLI) never imports agents/.
+
+    Policies, losses and learners build on the engine; the engine only knows the policy
+    protocol in :mod:`branchgym.policy`.
+    """
+    offenders = []
+    for path in source_files("branchgym"):
+        rel = path.relative_to(ROOT)
+        if rel.parts[1] == "bench" or rel == pathlib.Path("branchgym/cli.py"):
+            continue
+        for line, module, names in imports(path):
+            targets = [module] + [f"{module}.{name}" for name in names]
+            if any(is_under(t, "branchgym.agents") or is_under(t, "agents") for t in targets):
+                offenders.append(f"{rel}:{line}: {module}")
+    assert not offenders, "engine modules import agents/:\n" + "\n".join(offenders)
+
+
+#: Old homes of moved bench modules: each only forwards, lazily and with a warning.
+DEPRECATED_BENCH_ALIASES = {"branchgym/envs/webshop/bench.py", "branchgym/envs/alfworld/bench.py"}
+
+
+def test_env_packages_import_nothing_from_bench():
+    """Benchmarks import envs, never the reverse (env CLIs aside, like the top-level CLI)."""
+    offenders = []
+    for path in source_files("branchgym/envs"):
+        rel = path.relative_to(ROOT)
+        if rel.as_posix() in DEPRECATED_BENCH_ALIASES or rel.name == "cli.py":
+            continue
+        for line, module, _ in imports(path):
+            if is_under(module, "branchgym.bench"):
+                offenders.append(f"{rel}:{line}: {module}")
+    assert not offenders, "env modules import the bench package:\n" + "\n".join(offenders)
+
+
+def test_moved_bench_modules_still_import_from_their_old_home():
+    import importlib
+
+    import pytest
+
+    from branchgym.bench import alfworld, webshop
+
+    for env, moved, name in [
+        ("webshop", webshop, "section_webshop"),
+        ("alfworld", alfworld, "section_alfworld"),
+    ]:
+        old = importlib.import_module(f"branchgym.envs.{env}.bench")
+        with pytest.warns(DeprecationWarning, match=f"branchgym.bench.{env}"):
+            assert getattr(old, name) is getattr(moved, name)
+
+
+def test_no_private_names_cross_module_boundaries():
+    """``from branchgym.x import _name`` only inside ``branchgym.x`` itself.
+
+    What one module needs from another is public and documented there (tests may still
+    import privates). Covers branchgym/ (swebench included), agents/, wrappers/ and
+    scenarios/.
+    """
+    offenders = []
+    for path in source_files(*PACKAGES):
+        me = module_name(path)
+        for line, module, names in imports(path):
+            if not is_under(module, "branchgym") or module == me:
+                continue
+            private = [n for n in names if n.startswith("_") and not n.startswith("__")]
+            if private:
+                rel = path.relative_to(ROOT)
+                offenders.append(f"{rel}:{line}: from {module} import {', '.join(private)}")
+    assert not offenders, "private names imported across modules:\n" + "\n".join(offenders)
+
+
+def test_former_private_names_still_resolve():
+    from branchgym.agents import training
+
+    from branchgym import checker, core
+
+    assert core._walk_wrappers is core.walk_wrappers
+    assert core._capture is core.capture_wrapper_state
+    assert core._handler is core.wrapper_state_handler
+    assert checker._strip is checker.strip_volatile
+    assert checker._as_factory is checker.as_factory
+    assert training._require is training.require
+    assert training._choice is training.require_one_of
+
+
+def test_renamed_classes_keep_their_former_names():
+    from branchgym import executors
+    from branchgym.bench import runs
+
+    assert executors.EnvSpec is executors.EnvRecipe  # not Gymnasium's EnvSpec
+    assert runs.Run is runs.SeedResult  # not agents.training.Run
+
+
+def test_long_modules_say_why_at_the_top():
+    """A module over about 600 lines gives its reason in its docstring.
+
+    branchgym/envs/swebench/ is left out: it is owned and sized separately.
+    """
+    offenders = []
+    for path in source_files(*PACKAGES):
+        rel = path.relative_to(ROOT)
+        if rel.parts[:3] == ("branchgym", "envs", "swebench"):
+            continue
+        text = path.read_text()
+        if text.count("\n") > 650:
+            doc = ast.get_docstring(ast.parse(text)) or ""
+            if "over 600 lines" not in doc:
+                offenders.append(f"{rel}: {text.count(chr(10))} lines")
+    assert not offenders, "long modules without a reason at the top:\n" + "\n".join(offenders)
