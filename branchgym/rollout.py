@@ -23,12 +23,20 @@ How states at candidate points are kept until the schedule picks (``keep=``):
   chosen steps (the env must be deterministic given seed and actions, which the
   replay checks against the backbone's observations).
 
-``branchgym bench branching`` measures both; see the README's Engine section.
+``branchgym bench branching`` measures both; see docs/engine.md.
 
 The policy stays in this process: siblings advance in lockstep, so each policy call
 is one batch, and the K-1 siblings of a branch point ask for their first action in one
 request (an LLM engine samples them from one shared prefix). Environment calls go to an
 :class:`~branchgym.executors.Executor`.
+
+Failures never shrink a tree: a sibling whose restore, step or sandbox fails, or that
+the tree's time budget (``tree_timeout``) cuts or never starts, is a leaf whose
+``error`` says why, so every sibling group keeps its K members on record.
+
+The module is over 600 lines because the lockstep loop, its two entry points (trees and
+groups), option checks and the failure bookkeeping share one engine state (``_Engine``);
+split apart, they would pass that state across modules.
 """
 
 from __future__ import annotations
