@@ -1,4 +1,4 @@
-"""Bellman Policy Optimization (spec/ALGORITHMS.md §3).
+"""Bellman Policy Optimization (docs/algorithms.md §3).
 
 GRPO-shaped, for terminal rewards. Per rollout batch:
 
@@ -45,10 +45,10 @@ __all__ = ["Args", "loss", "main"]
 
 @dataclasses.dataclass
 class Args(TrainArgs):
-    """Bellman PO options; the optimiser defaults are the source's (spec §3)."""
+    """Bellman PO options; the optimiser defaults are the source's (algorithms.md §3)."""
 
     g: int = 8
-    """Responses (trajectories) G per prompt (spec §3)."""
+    """Responses (trajectories) G per prompt (algorithms.md §3)."""
     omega_eps: float = 0.1
     """eps of ``omega = (1 + eps - mu) / (1 + eps - pi)`` (0.1; the source finds 0.05-0.2 flat)."""
     cap: float = 3.0
@@ -59,15 +59,15 @@ class Args(TrainArgs):
     eps_low: float = 0.2
     """Mask threshold for A < 0: drop tokens with omega < 1 - eps_low (DAPO's 0.2)."""
     lr: float = 1e-6
-    """AdamW learning rate, constant (spec §3)."""
+    """AdamW learning rate, constant (algorithms.md §3)."""
     lr_schedule: str = "constant"
-    """Constant learning rate (spec §3)."""
+    """Constant learning rate (algorithms.md §3)."""
     adam_betas: tuple[float, float] = (0.9, 0.98)
-    """AdamW betas (spec §3)."""
+    """AdamW betas (algorithms.md §3)."""
     weight_decay: float = 0.1
-    """AdamW weight decay (spec §3)."""
+    """AdamW weight decay (algorithms.md §3)."""
     grad_clip: float = 1.0
-    """Gradient-norm clip (spec §3)."""
+    """Gradient-norm clip (algorithms.md §3)."""
     updates_per_batch: int = 8
     """Optimizer updates per rollout batch (8: mu and pi differ from the second on)."""
 

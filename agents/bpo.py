@@ -1,4 +1,4 @@
-"""Branching Policy Optimization (spec/ALGORITHMS.md §1).
+"""Branching Policy Optimization (docs/algorithms.md §1).
 
 Per prompt, one gradient step:
 
@@ -61,10 +61,10 @@ SCHEDULE_OPTIONS: dict[str, tuple[str, ...]] = {
 
 @dataclasses.dataclass
 class Args(TrainArgs):
-    """Branching PO options; defaults are the source's (spec §1), CI runs override them."""
+    """Branching PO options; defaults are the source's (algorithms.md §1), CI runs override them."""
 
     m: int = 2
-    """Branch points M per backbone (spec §1 step 3; the source uses 2)."""
+    """Branch points M per backbone (algorithms.md §1 step 3; the source uses 2)."""
     k: int = 4
     """Siblings K per branch point, the backbone's own action included (step 4; 4, where
     the source finds K saturates). Rollouts per prompt N = 1 + M(K - 1) = 7."""
@@ -73,7 +73,7 @@ class Args(TrainArgs):
     ``lowest_entropy``, ``random``, ``even``, ``oracle`` (TreeMDP only)."""
     entropy_reduce: str = "mean"
     """H_t of an action from its per-token entropies (eq. 3 on token spans): ``mean``
-    (spec default), ``first`` or ``sum``."""
+    (algorithms.md default), ``first`` or ``sum``."""
     min_gap: int | None = None
     """Delta_min between branch points; default 64 tokens of the trajectory (1 step for
     envs whose actions are single tokens)."""
@@ -85,7 +85,7 @@ class Args(TrainArgs):
     """lambda of eq. (5) (0.95; the source's plateau is 0.9-0.99, 1.0 hurts slightly)."""
     tail: str = "last"
     """Steps after the last branch point of a path (eq. 5's ambiguity): ``last`` gives them
-    that branch point's local advantage undiscounted (spec default), ``zero`` gives 0."""
+    that branch point's local advantage undiscounted (algorithms.md default), ``zero`` gives 0."""
     eps: float = 0.2
     """PPO clip range epsilon (eq. 6; 0.2)."""
     eps_high: float | None = None

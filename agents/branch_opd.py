@@ -1,4 +1,4 @@
-"""Branching On-Policy Distillation (spec/ALGORITHMS.md §2), and the loop of its baselines.
+"""Branching On-Policy Distillation (docs/algorithms.md §2), and the loop of its baselines.
 
 On-policy distillation: the student samples its own trajectories and a frozen teacher
 scores every token the student generated, ``dlogp_t = log pi_T(a_t|s_t) - log
@@ -64,7 +64,7 @@ __all__ = ["DETECTOR_SETS", "ROLLOUTS", "Args", "loss", "main", "react_action_en
 
 @dataclasses.dataclass
 class Args(TrainArgs):
-    """Branching OPD options (spec §2); the baselines reuse them."""
+    """Branching OPD options (algorithms.md §2); the baselines reuse them."""
 
     teacher: str = ""
     """The frozen teacher: a model folder (e.g. an SFT checkpoint), ``tiny`` or ``smollm2``;
@@ -103,7 +103,7 @@ class Args(TrainArgs):
     eps: float = 0.2
     """PPO clip range (step 5; 0.2)."""
     student: str = "current"
-    """Which student log-prob enters dlogp: ``current`` (pi_theta, the spec's wording) or
+    """Which student log-prob enters dlogp: ``current`` (pi_theta, the paper's wording) or
     ``old`` (pi_old)."""
     pbr: str = "react"
     """Protocol-boundary repair detectors, a key of :data:`DETECTOR_SETS` (``react``:

@@ -1,4 +1,4 @@
-"""GRPO and RLOO: N independent rollouts per prompt, a group baseline, PPO-clip (spec §4).
+"""GRPO and RLOO: N independent rollouts per prompt, a group baseline, PPO-clip (algorithms.md §4).
 
 The baselines every Branching PO comparison needs. Per prompt (task instance), one step:
 
@@ -9,10 +9,10 @@ The baselines every Branching PO comparison needs. Per prompt (task instance), o
    ``rloo``: ``R_i - mean_{j != i} R_j`` (Ahmadian et al., 2024), unnormalised;
    groups whose returns are all equal carry no signal and are counted as skipped;
 3. PPO-clip on every generated token with the trajectory's advantage broadcast to its
-   tokens, plus ``beta * KL(pi_theta || pi_ref)`` (spec eq. 6 without a tree).
+   tokens, plus ``beta * KL(pi_theta || pi_ref)`` (algorithms.md eq. 6 without a tree).
 
 ``N = 1 + M(K - 1)`` by default, so a GRPO/RLOO step costs what a Branching PO step with
-the same M and K costs (spec §1: N = 7 against GRPO's 8 in the source; matched here).
+the same M and K costs (algorithms.md §1: N = 7 against GRPO's 8 in the source; matched here).
 """
 
 from __future__ import annotations
@@ -52,11 +52,11 @@ ADVANTAGES = {
 
 @dataclasses.dataclass
 class Args(TrainArgs):
-    """GRPO / RLOO options (defaults: the BPO source's training set-up, spec §1)."""
+    """GRPO / RLOO options (defaults: the BPO source's training set-up, algorithms.md §1)."""
 
     advantage: str = "grpo"
     """``grpo`` (group-normalised, Shao et al. 2024) or ``rloo`` (leave-one-out, Ahmadian et
-    al. 2024), a key of :data:`ADVANTAGES` (spec §4)."""
+    al. 2024), a key of :data:`ADVANTAGES` (algorithms.md §4)."""
     n: int | None = None
     """Rollouts per prompt N; default ``1 + m * (k - 1)`` (matched compute with Branching PO)."""
     m: int = 2
@@ -64,16 +64,16 @@ class Args(TrainArgs):
     k: int = 4
     """K of the Branching PO run to match (only sets the default N)."""
     eps: float = 0.2
-    """PPO clip range epsilon (spec eq. 6; 0.2 in the source)."""
+    """PPO clip range epsilon (algorithms.md eq. 6; 0.2 in the source)."""
     eps_high: float | None = None
     """Upper clip range (DAPO's clip-higher); default ``eps``."""
     beta: float = 0.05
-    """KL coefficient to the reference policy (spec eq. 6; 0.05); 0 drops pi_ref."""
+    """KL coefficient to the reference policy (algorithms.md eq. 6; 0.05); 0 drops pi_ref."""
     kl_estimator: str = "k3"
     """Schulman's ``k1``, ``k2`` or ``k3`` estimator of KL(pi_theta || pi_ref)."""
     aggregation: str = "seq-mean-token-mean"
     """Loss aggregation: GRPO's per-sequence token mean, then the mean over sequences
-    (DeepSeekMath eq. 3); ``token-mean`` weighs every token alike (spec eq. 6)."""
+    (DeepSeekMath eq. 3); ``token-mean`` weighs every token alike (algorithms.md eq. 6)."""
 
     @property
     def group_size(self) -> int:

@@ -1,6 +1,6 @@
 """Advantages and losses shared by every learner: pure functions on torch tensors.
 
-Equation numbers refer to ``spec/ALGORITHMS.md``. Conventions:
+Equation numbers refer to ``docs/algorithms.md``. Conventions:
 
 * Group functions (:func:`grpo_advantages`, :func:`rloo_advantages`,
   :func:`sibling_advantages`) take rewards whose **last dimension is the group** (the
@@ -8,18 +8,18 @@ Equation numbers refer to ``spec/ALGORITHMS.md``. Conventions:
   dimensions are independent groups.
 * Token losses take per-token log-probabilities of shape ``(..., T)`` whose **last
   dimension is tokens**; ``mask`` (same shape, bool or 0/1) says which tokens count.
-  A rollout tree's mask counts each shared prefix once (spec eq. 6); building it is the
+  A rollout tree's mask counts each shared prefix once (algorithms.md eq. 6); building it is the
   engine's job, these functions only honour it.
 * Sequence-level advantages of shape ``(...,)`` are broadcast to every token of their
   sequence; per-token advantages of shape ``(..., T)`` are used as they are.
-* Every option the spec calls an ambiguity is a keyword with the spec's default; the
+* Every option docs/algorithms.md calls an ambiguity is a keyword with its default; the
   variants are picked from dicts of functions (:data:`AGGREGATIONS`,
   :data:`KL_ESTIMATORS`, :data:`PBR_CAPS`), never by string comparison inside a loss.
 
 Bad input (wrong shapes, NaN rewards, unknown options) raises
 :class:`branchgym.error.LossInputError`, whose message says the fix.
 
-Why this module is over 600 lines: one section per equation of the spec, all pure
+Why this module is over 600 lines: one section per equation of docs/algorithms.md, all pure
 functions sharing the same input checks and :func:`aggregate`; split by learner, those
 helpers would have to become public or be repeated.
 """
@@ -163,7 +163,7 @@ def grpo_advantages(
     mask: Tensor | None = None,
     unbiased: bool = True,
 ) -> GroupAdvantages:
-    """Group-normalised advantages of GRPO (spec §3 and §4): ``(R_i - mean) / (std + eps)``.
+    """Group-normalised advantages of GRPO (algorithms.md §3, §4): ``(R_i - mean) / (std + eps)``.
 
     Args:
         rewards: ``(..., G)`` rewards, last dimension = the group of one prompt.
@@ -196,7 +196,7 @@ def _leave_one_out(rewards: Tensor, valid: Tensor) -> tuple[Tensor, Tensor]:
 
 
 def rloo_advantages(rewards: Tensor, *, mask: Tensor | None = None) -> GroupAdvantages:
-    """Leave-one-out advantages of RLOO (spec §4), unnormalised.
+    """Leave-one-out advantages of RLOO (algorithms.md §4), unnormalised.
 
     ``A_i = R_i - (1 / (G - 1)) * sum_{j != i} R_j``, which equals
     ``G / (G - 1) * (R_i - mean_j R_j)``.
@@ -219,7 +219,7 @@ def rloo_advantages(rewards: Tensor, *, mask: Tensor | None = None) -> GroupAdva
 
 
 def sibling_advantages(returns: Tensor, *, mask: Tensor | None = None) -> Tensor:
-    """Local sibling advantage of Branching PO, spec eq. (4).
+    """Local sibling advantage of Branching PO, algorithms.md eq. (4).
 
     ``A_local(t, k) = G_t^(t,k) - (1 / (K - 1)) * sum_{j != k} G_t^(t,j)``: each sibling's
     return-to-go from the branch state minus the mean of the other ``K - 1``. Given the
@@ -234,7 +234,7 @@ def sibling_advantages(returns: Tensor, *, mask: Tensor | None = None) -> Tensor
     Returns:
         Tensor of the same shape; zero for branch points whose siblings all returned the
         same value. With ``K = 1`` there is no sibling to compare with: fall back to
-        :func:`rloo_advantages` over independent backbones (spec §1 step 6).
+        :func:`rloo_advantages` over independent backbones (algorithms.md §1 step 6).
     """
     returns, valid = _check_rewards(returns, mask, "sibling_advantages")
     if returns.shape[-1] < 2:
@@ -273,7 +273,7 @@ def propagate_advantages(
     Steps after the last branch point ``b*`` (a sibling's own tail, or the backbone's
     tail) have no branch point at or after them:
 
-    * ``tail="last"`` (spec default): they get ``local_adv(b*)`` undiscounted, as RLOO
+    * ``tail="last"`` (algorithms.md default): they get ``local_adv(b*)`` undiscounted, as RLOO
       gives every token of a trajectory its trajectory advantage;
     * ``tail="zero"``: they get 0 (the strict reading of eq. 5).
 
@@ -283,13 +283,13 @@ def propagate_advantages(
 
     With no branch points on the path (``M = 0`` or ``K = 1``) every step gets 0 under
     either tail: there is no sibling comparison to propagate, and the learner must fall
-    back to the group (RLOO) baseline over independent backbones (spec §1 step 6).
+    back to the group (RLOO) baseline over independent backbones (algorithms.md §1 step 6).
 
     Args:
         n_steps: Number of decision steps on the path (``>= 0``).
         branch_steps: Strictly increasing step indices in ``[0, n_steps)``.
         local_adv: One local advantage per branch step (a sequence or a 1-D tensor).
-        lam: Discount ``lambda`` in ``[0, 1]`` (spec default 0.95).
+        lam: Discount ``lambda`` in ``[0, 1]`` (algorithms.md default 0.95).
         tail: ``"last"`` or ``"zero"``, see above.
 
     Returns:
@@ -300,7 +300,7 @@ def propagate_advantages(
         raise LossInputError(f"propagate_advantages: tail must be one of {TAILS}; got {tail!r}.")
     if not 0.0 <= float(lam) <= 1.0:
         raise LossInputError(
-            f"propagate_advantages: lam must be in [0, 1] (spec default 0.95); got {lam}."
+            f"propagate_advantages: lam must be in [0, 1] (algorithms.md default 0.95); got {lam}."
         )
     if isinstance(n_steps, bool) or int(n_steps) != n_steps or n_steps < 0:
         raise LossInputError(
@@ -368,7 +368,7 @@ def _per_sequence(values: Tensor, mask: Tensor, *, mean: bool) -> Tensor:
 AGGREGATIONS: dict[str, Callable[[Tensor, Tensor], Tensor]] = {
     # every counted token of the batch weighs the same (eq. 6, L_tree of BranchOPD)
     "token-mean": _token_mean,
-    # mean over tokens within a sequence, then over sequences (Bellman PO, spec §3)
+    # mean over tokens within a sequence, then over sequences (Bellman PO, algorithms.md §3)
     "seq-mean-token-mean": lambda v, m: _per_sequence(v, m, mean=True),
     # sum over tokens within a sequence, then mean over sequences
     "seq-mean-token-sum": lambda v, m: _per_sequence(v, m, mean=False),
@@ -528,7 +528,7 @@ def ppo_clip_loss(
     beta: float = 0.05,
     kl_estimator: str = "k3",
 ) -> PolicyLoss:
-    """PPO-clip surrogate over the tokens of a batch or a rollout tree, spec eq. (6).
+    """PPO-clip surrogate over the tokens of a batch or a rollout tree, algorithms.md eq. (6).
 
     ``L = -agg[min(rho * A, clip(rho, 1 - eps, 1 + eps_high) * A)] + beta * agg[KL]`` with
     the per-token ratio ``rho = pi_theta(a|s) / pi_old(a|s)`` and the action's advantage
@@ -540,13 +540,13 @@ def ppo_clip_loss(
         advantages: ``(...,)`` per sequence (broadcast to its tokens) or ``(..., T)``
             per token (a tree whose steps carry eq. 5 advantages).
         mask: ``(..., T)`` tokens that count; a tree's mask counts shared prefixes once.
-        eps: Clip range (spec default 0.2).
+        eps: Clip range (algorithms.md default 0.2).
         eps_high: Upper clip range when it differs (DAPO's clip-higher); default ``eps``.
         aggregation: A key of :data:`AGGREGATIONS`; ``"token-mean"`` (default, eq. 6) or
             ``"seq-mean-token-mean"`` / ``"seq-mean-token-sum"``.
         ref_logp: Log-probabilities under the frozen reference policy; when given, the
             ``beta * KL(pi_theta || pi_ref)`` term of eq. (6) is added.
-        beta: KL coefficient (spec default 0.05); used only with ``ref_logp``.
+        beta: KL coefficient (algorithms.md default 0.05); used only with ``ref_logp``.
         kl_estimator: A key of :data:`KL_ESTIMATORS` (default ``"k3"``).
 
     Returns:
@@ -588,7 +588,7 @@ def ppo_clip_loss(
 
 
 def bellman_po_weights(mu: Tensor, pi: Tensor, eps: float = 0.1) -> Tensor:
-    """Smoothed complementary-probability ratio of Bellman PO (spec §3).
+    """Smoothed complementary-probability ratio of Bellman PO (algorithms.md §3).
 
     ``omega = (1 + eps - mu) / (1 + eps - pi)``, with ``mu`` the rollout policy's and
     ``pi`` the current policy's probability of the sampled token. ``omega = 1`` when
@@ -599,7 +599,7 @@ def bellman_po_weights(mu: Tensor, pi: Tensor, eps: float = 0.1) -> Tensor:
     Args:
         mu: Probabilities (not log-probabilities) under the rollout policy.
         pi: Probabilities under the current policy (same shape).
-        eps: Smoothing (spec default 0.1); must be > 0 unless no probability equals 1.
+        eps: Smoothing (algorithms.md default 0.1); must be > 0 unless no probability equals 1.
 
     Returns:
         ``omega``, same shape; differentiable (the loss stops its gradient).
@@ -612,7 +612,7 @@ def bellman_po_weights(mu: Tensor, pi: Tensor, eps: float = 0.1) -> Tensor:
 def bellman_po_mask(
     advantages: Tensor, omega: Tensor, eps_high: float = 0.28, eps_low: float = 0.2
 ) -> Tensor:
-    """The sign-dependent mask ``M`` of Bellman PO (spec §3).
+    """The sign-dependent mask ``M`` of Bellman PO (algorithms.md §3).
 
     ``M = 0`` where ``A > 0`` and ``omega > 1 + eps_high`` (the token was already pushed
     up enough), ``M = 0`` where ``A < 0`` and ``omega < 1 - eps_low`` (already pushed down
@@ -680,7 +680,7 @@ def bellman_po_loss(
     std_eps: float = 1e-6,
     aggregation: str = "seq-mean-token-mean",
 ) -> BellmanPOLoss:
-    """Bellman Policy Optimization loss (spec §3).
+    """Bellman Policy Optimization loss (algorithms.md §3).
 
     Per token: ``L = -A_i * M_{i,t} * min(stopgrad(omega_{i,t}), C) * log pi_t``, with
     ``A_i`` the group-normalised advantage of response ``i`` (:func:`grpo_advantages`),
@@ -694,8 +694,8 @@ def bellman_po_loss(
         old_logp: Same shape, under the rollout policy ``mu``.
         rewards: ``(..., G)`` terminal rewards of the G responses of each prompt.
         mask: ``(..., G, T)`` generated tokens that count.
-        eps: Smoothing of ``omega`` (spec default 0.1).
-        cap: Weight cap ``C`` (spec default 3.0).
+        eps: Smoothing of ``omega`` (algorithms.md default 0.1).
+        cap: Weight cap ``C`` (algorithms.md default 3.0).
         eps_high: Mask threshold for positive advantages.
         eps_low: Mask threshold for negative advantages.
         std_eps: Stabiliser of the advantage's std.
@@ -739,7 +739,7 @@ def bellman_po_loss(
 
 
 def opd_advantages(teacher_logp: Tensor, student_logp: Tensor, delta: float = 1.0) -> Tensor:
-    """Per-token distillation advantage of (Branching) OPD (spec §2 step 5).
+    """Per-token distillation advantage of (Branching) OPD (algorithms.md §2 step 5).
 
     ``A = clip(stopgrad(log pi_T(a|s) - log pi_theta(a|s)), -delta, delta)``: positive
     where the teacher likes the student's token more than the student does. Its
@@ -778,7 +778,7 @@ def opd_tree_loss(
     eps: float = 0.2,
     student: str = "current",
 ) -> PolicyLoss:
-    """``L_tree`` of Branching OPD (spec §2 step 5): token-mean PPO-clip on OPD advantages.
+    """``L_tree`` of Branching OPD (algorithms.md §2 step 5): token-mean PPO-clip on OPD advantages.
 
     The mask ``M`` keeps every generated token of the main trajectory and each branch's
     tokens from its fork on, so a shared prefix is counted once; environment
@@ -790,7 +790,7 @@ def opd_tree_loss(
         teacher_logp: Same shape, under the frozen teacher.
         mask: ``(..., T)`` the ``M`` mask.
         delta: Advantage clip bound, see :func:`opd_advantages`.
-        eps: PPO clip range (spec default 0.2).
+        eps: PPO clip range (algorithms.md default 0.2).
         student: Which student log-prob enters ``dlogp``: ``"current"`` (``pi_theta``, the
             spec's wording; detached) or ``"old"`` (``pi_old``, fixed across updates).
 
@@ -810,7 +810,7 @@ def opd_tree_loss(
 
 @dataclasses.dataclass(frozen=True)
 class ProtocolConstraint:
-    """One protocol-boundary constraint ``(s, C, b)`` (spec §2 step 6).
+    """One protocol-boundary constraint ``(s, C, b)`` (algorithms.md §2 step 6).
 
     Attributes:
         position: Index into the logits' token dimension: ``logits[seq, position]`` is the
@@ -885,7 +885,7 @@ def pbr_loss(
     cap: float = 0.02,
     cap_mode: str = "scale",
 ) -> PBRLoss:
-    """Protocol-boundary repair auxiliary loss of Branching OPD (spec §2 step 6).
+    """Protocol-boundary repair auxiliary loss of Branching OPD (algorithms.md §2 step 6).
 
     For each constraint ``(s, C, b)``:
     ``l_proto = -b log p(C|s) - (1 - b) log(1 - p(C|s))`` with ``p(C|s)`` the total
@@ -896,8 +896,8 @@ def pbr_loss(
     Args:
         logits: ``(T, V)`` or ``(B, T, V)`` next-token logits of the student.
         constraints: From the detectors of :mod:`branchgym.agents.pbr`.
-        lam: Weight ``lambda`` (spec default 0.01).
-        cap: The cap ``Psi`` enforces (spec default 0.02).
+        lam: Weight ``lambda`` (algorithms.md default 0.01).
+        cap: The cap ``Psi`` enforces (algorithms.md default 0.02).
         cap_mode: A key of :data:`PBR_CAPS` (``"scale"`` by default, or ``"clamp"``).
 
     Returns:

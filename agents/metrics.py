@@ -91,7 +91,7 @@ def ratio_spread(c: Chunk, *, omega_eps: float | None = None) -> dict[str, float
     """How far the current policy has drifted from the behaviour policy on counted tokens.
 
     ``ratio/*`` describe the importance ratio ``pi/mu``; with ``omega_eps`` also Bellman
-    PO's weight ``omega = (1 + eps - mu) / (1 + eps - pi)`` (spec section 3), whose spread
+    PO's weight ``omega = (1 + eps - mu) / (1 + eps - pi)`` (algorithms.md §3), whose spread
     stays bounded where the ratio's does not. Diagnostics only (no gradient).
     """
     with torch.no_grad():

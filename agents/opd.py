@@ -1,4 +1,4 @@
-"""On-policy distillation baselines of Branching OPD (spec §2 and §4).
+"""On-policy distillation baselines of Branching OPD (algorithms.md §2 and §4).
 
 Both run :func:`branchgym.agents.branch_opd.main` (same teacher scoring, same clipped
 teacher-minus-student advantage, same token-mean PPO-clip and PBR); they differ only in

@@ -1,4 +1,4 @@
-"""Protocol-boundary repair (PBR) detectors for Branching OPD (spec §2 step 6).
+"""Protocol-boundary repair (PBR) detectors for Branching OPD (algorithms.md §2 step 6).
 
 A detector scans one generated sequence and emits constraints ``(s, C, b)``
 (:class:`~branchgym.agents.losses.ProtocolConstraint`): at position ``s`` the student
@@ -8,7 +8,7 @@ should put probability on the token set ``C`` (``b = 1``) or keep it off (``b = 
 The rules are protocol- and tokenizer-specific (the source's stray-tag rule matches
 Qwen's ``</think>`` token, id 151668), so they are pluggable: anything with a ``name``
 and ``__call__(seq) -> list[ProtocolConstraint]`` is a :class:`Detector`; the two rules
-of the spec ship in :data:`DETECTORS`:
+of docs/algorithms.md (§2 step 6) ship in :data:`DETECTORS`:
 
 * :class:`FinalAnswerEOS` (``final_answer_eos``): after a complete final answer, raise
   the end-of-sequence token (``b = 1``);

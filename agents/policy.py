@@ -6,7 +6,7 @@ The protocol and its value types (:class:`Policy`, :class:`ActRequest`,
 :class:`Policy` for actions in batches of :class:`ActRequest` (a context, how many
 samples, and optionally token ids the action must start with, for forks inside a turn)
 and gets :class:`ActionSample` objects back: the env action, its text, token ids, the
-behaviour policy's per-token log-probs and exact per-token entropies (spec eq. 3), and
+behaviour policy's per-token log-probs and exact per-token entropies (algorithms.md eq. 3), and
 the top-20 estimate when the engine has it (BranchOPD's ``U_t``).
 
 Policies here:

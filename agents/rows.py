@@ -1,7 +1,7 @@
 """Rollout trees as rows of token decisions: what a loss reads.
 
 A row is the part of one root-to-leaf path that this path owns (every node is owned by
-exactly one path, so a shared prefix is counted once, spec eq. 6); for independent
+exactly one path, so a shared prefix is counted once, algorithms.md eq. 6); for independent
 rollouts a row is a whole trajectory.
 
 * :class:`Decision`: one tree node whose tokens the loss counts, with its context,

@@ -18,7 +18,7 @@ per-token log-probs are those exact conditionals (they sum to ``log pi(a | s)``)
 its per-token entropies are their entropies
 (:func:`~branchgym.agents.policy.sequence_distribution`). By the chain rule of entropy
 the expected sum of those per-token entropies is the decision entropy ``H(pi(.|s))``
-(spec eq. 3); it is exact when the candidates differ at one token only, as TextTreeMDP's
+(algorithms.md eq. 3); it is exact when the candidates differ at one token only, as TextTreeMDP's
 exits do (``go north`` / ``go east``). Forced prefixes (BranchOPD's forks inside a
 turn) restrict the candidates to those that start with the prefix.
 

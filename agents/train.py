@@ -54,7 +54,7 @@ class Learner:
 
 #: ``--algo`` name -> learner.
 LEARNERS: dict[str, Learner] = {
-    "bpo": Learner("branchgym.agents.bpo", summary="Branching PO (spec §1)"),
+    "bpo": Learner("branchgym.agents.bpo", summary="Branching PO (algorithms.md §1)"),
     "grpo": Learner(
         "branchgym.agents.grpo", fixed=(("advantage", "grpo"),), summary="GRPO baseline (§4)"
     ),

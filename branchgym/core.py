@@ -1,6 +1,6 @@
 """The snapshot protocol: :class:`Snapshot`, :class:`SnapshottableEnv` and the wrapper stack.
 
-Two operators carry every guarantee of the branching learners (spec/ALGORITHMS.md,
+Two operators carry every guarantee of the branching learners (docs/algorithms.md,
 section 0): ``snap: S -> Sigma`` and ``rest: Sigma -> S``, with ``rest(snap(s))``
 behaving exactly like ``s``. This module defines them for Gymnasium:
 

@@ -243,7 +243,7 @@ class EnvWorker:
     @staticmethod
     def _reseed(env: gym.Env, seed: int | None) -> None:
         # Siblings restored from one snapshot share the env's RNG state; a fresh stream
-        # makes their transitions independent draws (spec section 0: same distribution).
+        # makes their transitions independent draws (algorithms.md §0: same distribution).
         if seed is None:
             return
         try:

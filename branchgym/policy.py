@@ -4,7 +4,7 @@ The engine (:mod:`branchgym.rollout`) asks a :class:`Policy` for actions in batc
 :class:`ActRequest` (a context, how many samples, and optionally token ids the action
 must start with, for forks inside a turn) and gets :class:`ActionSample` objects back:
 the env action, its text, token ids, the behaviour policy's per-token log-probs and
-exact per-token entropies (spec eq. 3), and the top-20 estimate when the engine has it
+exact per-token entropies (algorithms.md eq. 3), and the top-20 estimate when the engine has it
 (BranchOPD's ``U_t``).
 
 This module is core: it imports nothing from ``branchgym.agents``. Concrete policies

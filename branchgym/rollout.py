@@ -1,6 +1,6 @@
 """The branching engine: grow rollout trees (BPO, BranchOPD) and independent groups (GRPO/RLOO).
 
-:func:`grow_tree` implements spec/ALGORITHMS.md section 1 steps 1-4 (and section 2 steps
+:func:`grow_tree` implements docs/algorithms.md §1 steps 1-4 (and section 2 steps
 1-4 with the ``fork_score`` schedule):
 
 1. sample a backbone to termination, recording the policy's per-token log-probs and

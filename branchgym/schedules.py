@@ -8,7 +8,7 @@ A schedule is a function chosen by name from :data:`SCHEDULES`::
 :class:`ForkPoint` names the step whose state the siblings restart from and, for forks
 inside a turn (BranchOPD), how many tokens of the backbone's action they keep.
 
-Schedules (spec/ALGORITHMS.md section 1 step 3, section 2 steps 2-3):
+Schedules (docs/algorithms.md §1 step 3, section 2 steps 2-3):
 
 * ``entropy``: top-M decision points by per-action entropy ``H_t`` (eq. 3; reduction
   ``mean`` by default, ``first`` or ``sum``) with a minimum gap ``Delta_min`` between
@@ -56,7 +56,7 @@ __all__ = [
     "DEFAULT_MIN_GAP_TOKENS",
 ]
 
-#: Delta_min of spec section 1 step 3, in tokens of the trajectory.
+#: Delta_min of algorithms.md §1 step 3, in tokens of the trajectory.
 DEFAULT_MIN_GAP_TOKENS = 64
 
 

@@ -7,7 +7,7 @@ per-token log-probs and entropies, the observation that followed, reward, done f
 costs and errors. Nodes link to their parent decision; the reset state is the implicit
 root (parent ``-1``).
 
-The tree answers what the learners need (spec/ALGORITHMS.md, sections 1 and 2):
+The tree answers what the learners need (docs/algorithms.md, sections 1 and 2):
 
 * :meth:`RolloutTree.paths`: every root-to-leaf path (one per rollout);
 * :meth:`RolloutTree.returns_to_go`: the return-to-go at each node along its own line;
@@ -144,7 +144,7 @@ class Node:
 
 
 def action_entropy(entropies: np.ndarray, reduce: str = "mean") -> float:
-    """Reduce per-token entropies to one per-action entropy (spec eq. 3, step 2 options)."""
+    """Reduce per-token entropies to one per-action entropy (algorithms.md eq. 3, step 2)."""
     fn = ENTROPY_REDUCTIONS.get(reduce)
     if fn is None:
         raise ValueError(

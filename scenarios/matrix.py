@@ -7,7 +7,7 @@ Checks:
 * ``property``: :func:`branchgym.testing.check_snapshot_fidelity` at its default budget.
 
 The workload is what a branching learner does: seeded episodes, up to two snapshots per
-backbone at random steps, three sibling rollouts from each (spec section 1, M = 2,
+backbone at random steps, three sibling rollouts from each (algorithms.md §1, M = 2,
 K = 4). A cell reports the detection rate over seeds and the median number of env steps
 taken before the first detection. A row passes when a must-detect scenario is caught by
 the property suite on every seed and a benign one is flagged by no check on any seed.

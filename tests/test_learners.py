@@ -1,6 +1,6 @@
 """Each learner on TextTreeMDP with the tiny model: every parameter moves, success improves.
 
-CI settings (the spec's defaults are in each learner's Args; these override them so a
+CI settings (docs/algorithms.md's defaults are in each learner's Args; these override them so a
 run fits in seconds on a 2-core CPU): the maze has depth 3, 3 exits, Bernoulli rewards
 (success = reward 1) and structure seed 2 (uniform policy 0.43, optimal 0.92); the tiny
 random Qwen2 acts through the scoring policy (softmax over the admissible replies); 4

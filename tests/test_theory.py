@@ -1,4 +1,4 @@
-"""The theory of spec/ALGORITHMS.md, checked exactly on TreeMDP.
+"""The theory of docs/algorithms.md, checked exactly on TreeMDP.
 
 Exact values come from branchgym.envs.toy.theory (backward induction, no sampling).
 Measured values come from Monte Carlo rollouts whose siblings are made with the env's

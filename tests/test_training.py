@@ -355,7 +355,7 @@ def test_scoring_policy_is_a_policy_with_exact_decision_statistics(tiny_engine):
         i = list(cands.actions).index(s.action)
         counts[i] += 1
         # per-token log-probs sum to log pi(a|s); the exits differ at one token, so the
-        # per-token entropies sum to the decision entropy (spec eq. 3)
+        # per-token entropies sum to the decision entropy (algorithms.md eq. 3)
         assert float(s.logprobs.sum()) == pytest.approx(math.log(p[i]), abs=1e-5)
         assert float(s.entropies.sum()) == pytest.approx(h, abs=1e-5)
         assert s.parse_error is None and s.token_ids[-1] == tiny_engine.stop_token_ids[0]

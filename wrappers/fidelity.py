@@ -1,6 +1,6 @@
 """FidelityCheck: verify snapshot fidelity while an env runs, in digest or shadow mode.
 
-Assumption 1 of spec/ALGORITHMS.md (section 0) says ``rest(snap(s))`` behaves like ``s``.
+Assumption 1 of docs/algorithms.md (section 0) says ``rest(snap(s))`` behaves like ``s``.
 Its violations are silent: nothing crashes, sibling comparisons are just biased. This
 wrapper checks it online, during training or an evaluation run:
 

@@ -6,7 +6,7 @@ that every step yields:
 
 * the sampled token's log-prob under the full softmax,
 * the exact entropy ``-sum_v p_v log p_v`` of the full next-token distribution
-  (spec eq. 3's per-token term), and
+  (algorithms.md eq. 3's per-token term), and
 * the top-20 estimate BranchOPD uses (renormalised top-20 probabilities, ``U_t``).
 
 Prefix reuse (``reuse_prefix=True``): the K-1 siblings of a branch point share their

@@ -4,7 +4,7 @@ Both learners collect G = N = 7 rollouts per prompt and then take 8 optimizer up
 that batch (the source's setting), so the current policy ``pi`` drifts from the rollout
 policy ``mu`` within a batch. GRPO corrects with the importance ratio ``pi/mu`` inside
 PPO's clip; Bellman PO weights tokens by ``omega = (1 + eps - mu) / (1 + eps - pi)``
-(spec section 3), capped at C = 3 with a sign-dependent mask.
+(algorithms.md §3), capped at C = 3 with a sign-dependent mask.
 
 Reported: exact success on a TextTreeMDP maze (tiny model, scoring policy), and how far
 the weights spread from 1 on the same tokens: mean ``|omega - 1|`` and ``|pi/mu - 1|``,

@@ -4,7 +4,7 @@ Setup: a frozen teacher (the tiny model fine-tuned on the maze's optimal policy 
 SFT warm start) and a fresh tiny student with the scoring policy on a TextTreeMDP maze.
 Three students learn from the same teacher, seeds and learning rate:
 
-* **Branching OPD** (spec section 2): the main trajectory, at most B = 3 forks chosen
+* **Branching OPD** (algorithms.md §2): the main trajectory, at most B = 3 forks chosen
   by the fork score (entropy + teacher disagreement), k = 2 resampled continuations
   each: at most 1 + B k = 7 trajectories per input;
 * **multi-rollout OPD** with n = 7 independent trajectories per input (the same slots);

@@ -3,7 +3,7 @@
 On a TreeMDP, whose values are exact, one branch point per prompt: a backbone reaches a
 state ``s_t`` (depth ``t`` uniform), takes a snapshot, and continues as sibling 1; siblings
 2..K restore the snapshot and roll out from ``s_t``. Each sibling's leave-one-out
-advantage (spec/ALGORITHMS.md eq. 4)
+advantage (docs/algorithms.md eq. 4)
 
     A_local(t, k) = G_k - 1/(K-1) * sum_{j != k} G_j
 

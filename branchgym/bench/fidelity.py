@@ -7,7 +7,7 @@ Two workloads on every registered env that can be built here, each run plain and
 * *steps*: seeded episodes, timing each ``step()`` call: the per-step overhead (the
   target: digest mode adds under 10 % to step time);
 * *branching*: what a branching learner does (two snapshots per backbone, three
-  siblings from each, spec section 1 with M = 2, K = 4), timing everything: the
+  siblings from each, algorithms.md §1 with M = 2, K = 4), timing everything: the
   overhead per step once snapshot and restore costs (one ``state_digest`` each in digest
   mode) are amortised.
 

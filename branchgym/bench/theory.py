@@ -1,6 +1,6 @@
 """``branchgym bench theory``: the branching theory of the spec, exact next to measured.
 
-On TreeMDP, whose values are exact, this study prints what ``spec/ALGORITHMS.md``
+On TreeMDP, whose values are exact, this study prints what ``docs/algorithms.md``
 claims and what sampling through ``snapshot()``/``restore()`` measures:
 
 * Theorem 2's worked example (two prefixes with V = 0.8 / 0.2, residual variance 0.05,

@@ -1,6 +1,6 @@
 """``branchgym bench variance`` and ``branchgym diagnose``: will branching pay on this task?
 
-The source's diagnostic before training (spec/ALGORITHMS.md, section 1, "Diagnostic
+The source's diagnostic before training (docs/algorithms.md §1, "Diagnostic
 before training"): for a batch of prompts, sample 8 independent trajectories, snapshot
 each at its midpoint and sample 4 completions from each snapshot; compare the variance of
 the 8 independent returns with the mean variance within a snapshot. By the law of total

@@ -1,4 +1,4 @@
-"""Exact quantities behind the branching claims of ``spec/ALGORITHMS.md``, on a TreeMDP.
+"""Exact quantities behind the branching claims of ``docs/algorithms.md``, on a TreeMDP.
 
 Everything here is computed from a :class:`~branchgym.envs.toy.TreeStructure` and a
 tabular policy (``(n_nodes, n_actions)`` or ``(n_actions,)``; ``None`` = uniform), by

@@ -11,7 +11,7 @@ Because the tree is finite, values are exact: :meth:`TreeMDP.value`,
 :meth:`TreeMDP.q_value` and :meth:`TreeMDP.return_variance` compute ``V^pi(s)``,
 ``Q^pi(s, a)`` and ``Var^pi(G | s)`` for any tabular policy by backward induction.
 Learners' claims (unbiasedness of sibling advantages, the law-of-total-variance
-decomposition of spec eq. Theorem 2) are tested against these numbers.
+decomposition of algorithms.md, Theorem 2) are tested against these numbers.
 """
 
 from __future__ import annotations
