@@ -37,6 +37,7 @@ from branchgym.policy import (
     Policy,
     Turn,
     admissible_actions,
+    sample_rng,
 )
 
 __all__ = [
@@ -102,12 +103,12 @@ class TabularPolicy:
             p = self._row(req.context)
             h = _entropy(p)
             samples = []
-            for _ in range(req.n):
+            for j in range(req.n):
                 if req.prefix_token_ids:
                     a = int(req.prefix_token_ids[0])  # a one-token action is fully forced
                     prefix = 1
                 else:
-                    a = int(rng.choice(p.size, p=p))
+                    a = int(sample_rng(req, j, rng).choice(p.size, p=p))
                     prefix = 0
                 name = self.action_names[a] if self.action_names else a
                 samples.append(
@@ -245,8 +246,8 @@ class TextPolicy:
             cond = np.where(ok, p, 0.0)
             cond = cond / cond.sum()
             samples = []
-            for _ in range(req.n):
-                i = int(rng.choice(len(cands), p=cond))
+            for j in range(req.n):
+                i = int(sample_rng(req, j, rng).choice(len(cands), p=cond))
                 lp, ent = sequence_distribution(seqs, p, i, prefix_len=len(prefix))
                 samples.append(
                     ActionSample(
@@ -411,7 +412,9 @@ class LLMPolicy:
             [r.n for r in requests],
             prefixes=[list(r.prefix_token_ids) for r in requests],
             max_new_tokens=self.max_new_tokens,
-            seed=int(rng.integers(2**62)),
+            # The first rollout's own stream when the engine gives one: the batch's seed
+            # then does not depend on the order in which rollouts were scheduled.
+            seed=int(sample_rng(requests[0], 0, rng).integers(2**62)) if requests else 0,
         )
         out = []
         for req, batch in zip(requests, gens, strict=True):

@@ -37,7 +37,7 @@ import numpy as np
 from branchgym.agents.policy import LLMPolicy, sequence_distribution
 
 from branchgym.error import DependencyMissingError, TrainingConfigError
-from branchgym.policy import ActionSample, ActRequest, Context, admissible_actions
+from branchgym.policy import ActionSample, ActRequest, Context, admissible_actions, sample_rng
 
 try:
     import torch
@@ -170,8 +170,8 @@ class ScoringPolicy(LLMPolicy):
             cond = np.where(ok, p, 0.0)
             cond = cond / cond.sum()
             samples = []
-            for _ in range(req.n):
-                i = int(rng.choice(len(cond), p=cond))
+            for j in range(req.n):
+                i = int(sample_rng(req, j, rng).choice(len(cond), p=cond))
                 lp, ent = sequence_distribution(cands.token_ids, p, i, prefix_len=len(prefix))
                 samples.append(
                     ActionSample(

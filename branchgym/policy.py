@@ -20,7 +20,15 @@ from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
 
-__all__ = ["Turn", "Context", "ActRequest", "ActionSample", "Policy", "admissible_actions"]
+__all__ = [
+    "Turn",
+    "Context",
+    "ActRequest",
+    "ActionSample",
+    "Policy",
+    "admissible_actions",
+    "sample_rng",
+]
 
 
 def admissible_actions(info: dict[str, Any] | None) -> list[str] | None:
@@ -83,11 +91,23 @@ class Context:
 
 @dataclasses.dataclass(frozen=True)
 class ActRequest:
-    """Ask for ``n`` actions in ``context``, each starting with ``prefix_token_ids``."""
+    """Ask for ``n`` actions in ``context``, each starting with ``prefix_token_ids``.
+
+    ``rngs``, when given, holds one generator per sample: the rollout's own random
+    stream (the engine derives it from the seed, the branch point and the sibling), so a
+    sample does not depend on which other requests share the batch. A policy draws the
+    ``j``-th sample from ``rngs[j]`` (see :func:`sample_rng`).
+    """
 
     context: Context
     n: int = 1
     prefix_token_ids: tuple[int, ...] = ()
+    rngs: tuple[Any, ...] = ()
+
+
+def sample_rng(req: ActRequest, j: int, rng: Any) -> Any:
+    """The generator of sample ``j`` of ``req``: its own stream, else the batch's ``rng``."""
+    return req.rngs[j] if j < len(req.rngs) else rng
 
 
 @dataclasses.dataclass

@@ -108,6 +108,12 @@ def _resolve(
     return spec, ex, owned
 
 
+def _capacity(max_concurrent: int | None, ex: Executor) -> int | None:
+    """Sessions alive at once: ``max_concurrent``, never more than the executor holds."""
+    limits = [c for c in (max_concurrent, ex.capacity) if c is not None]
+    return min(limits) if limits else None
+
+
 #: Seconds one tree (or group of rollouts) may take unless told otherwise.
 DEFAULT_TREE_TIMEOUT = 3600.0
 
@@ -177,6 +183,7 @@ class _Line:
     snapshot_each: bool = False
     snaps: dict[int, SnapshotRef] = dataclasses.field(default_factory=dict)
     stepped: bool = False  # has a node of its own in the tree
+    rng: np.random.Generator | None = None  # this rollout's own random stream
 
 
 class _Engine:
@@ -198,6 +205,17 @@ class _Engine:
         self.live: dict[int, SnapshotRef] = {}
         self.tree_timeout = tree_timeout
         self.deadline = None if tree_timeout is None else time.monotonic() + tree_timeout
+        # Every rollout draws from its own stream, keyed by (branch point, sibling): the
+        # tree is a function of its seeds, not of the executor or the scheduling order.
+        self.root_seed = int(rng.integers(2**63))
+
+    def stream(self, *key: int) -> np.random.Generator:
+        """The random stream of one rollout.
+
+        Keys: ``(0, 0)`` the backbone, ``(step + 1, k)`` sibling k at a branch point,
+        ``(i + 1, 0)`` the i-th independent rollout of a group.
+        """
+        return np.random.default_rng([self.root_seed, *key])
 
     @property
     def expired(self) -> bool:
@@ -344,14 +362,17 @@ class _Engine:
         owners: list[list[int]] = []
         by_group: dict[Any, int] = {}
         for i, ln in enumerate(lines):
+            own = (ln.rng,) if ln.rng is not None else ()
             if ln.group is not None and ln.group in by_group:
                 j = by_group[ln.group]
-                requests[j] = dataclasses.replace(requests[j], n=requests[j].n + 1)
+                requests[j] = dataclasses.replace(
+                    requests[j], n=requests[j].n + 1, rngs=(*requests[j].rngs, *own)
+                )
                 owners[j].append(i)
                 continue
             if ln.group is not None:
                 by_group[ln.group] = len(requests)
-            requests.append(ActRequest(ln.context, 1, ln.prefix))
+            requests.append(ActRequest(ln.context, 1, ln.prefix, own))
             owners.append([i])
         t0 = time.perf_counter()
         batches = self.policy.act(requests, self.rng)
@@ -519,7 +540,12 @@ def grow_tree(
         ctx = Context(spec.id, out.observation, tree.info)
         branching = m > 0 and k > 1
         backbone_line = _Line(
-            out.session, ctx, ROOT, 0, snapshot_each=branching and keep == "snapshot"
+            out.session,
+            ctx,
+            ROOT,
+            0,
+            snapshot_each=branching and keep == "snapshot",
+            rng=eng.stream(0, 0),
         )
         eng.advance([backbone_line])
         backbone = tree.backbone
@@ -583,7 +609,7 @@ def _run_siblings(
         remaining[f.step] = k - 1
         for kk in range(2, k + 1):
             pending.append((f, kk))
-    capacity = max_concurrent or ex.capacity
+    capacity = _capacity(max_concurrent, ex)
     rollout_ids = iter(range(1, 1 << 30))
     contexts: dict[int, Context] = {}
 
@@ -593,12 +619,13 @@ def _run_siblings(
             starts.append(pending.popleft())
         if not starts:
             return None
-        reseeds = [int(eng.rng.integers(2**63)) if env_noise == "fresh" else None for _ in starts]
+        streams = [eng.stream(f.step + 1, kk) for f, kk in starts]
+        reseeds = [int(st.integers(2**63)) if env_noise == "fresh" else None for st in streams]
         outs = ex.restore(
             [eng.spec] * len(starts), [refs[f.step] for f, _ in starts], reseeds=reseeds
         )
         lines = []
-        for (f, kk), out in zip(starts, outs, strict=True):
+        for (f, kk), out, stream in zip(starts, outs, streams, strict=True):
             tree.stats.restore_s += out.seconds
             remaining[f.step] -= 1
             if remaining[f.step] == 0:  # the last sibling has restored: free the state
@@ -615,7 +642,10 @@ def _run_siblings(
             prefix_src = tree[backbone[f.step]].token_ids
             prefix = tuple(int(t) for t in prefix_src[: f.token_offset])
             lines.append(
-                _Line(out.session, contexts[f.step], parent, rid, kk, prefix, group=f.step)
+                _Line(
+                    out.session, contexts[f.step], parent, rid, kk, prefix, group=f.step,
+                    rng=stream,
+                )  # fmt: skip
             )
         return lines
 
@@ -680,14 +710,16 @@ def group_rollouts(
     tree = RolloutTree(spec.id, seed, gamma=gamma)
     eng = _Engine(spec, ex, policy, rng, _max_steps(spec, max_steps), tree, tree_timeout)
     todo = collections.deque(range(n))
-    capacity = max_concurrent or ex.capacity
+    capacity = _capacity(max_concurrent, ex)
 
     def refill(room: int) -> list[_Line] | None:
         starts = [todo.popleft() for _ in range(min(room, len(todo)))]
         if not starts:
             return None
+        streams = {i: eng.stream(i + 1, 0) for i in starts}
         reseeds = [
-            None if (i == 0 or env_noise == "shared") else int(rng.integers(2**63)) for i in starts
+            None if (i == 0 or env_noise == "shared") else int(streams[i].integers(2**63))
+            for i in starts
         ]
         outs = ex.reset(
             [spec] * len(starts), [seed] * len(starts), options=options, reseeds=reseeds
@@ -704,7 +736,8 @@ def group_rollouts(
             if tree.observation is None:
                 tree.observation, tree.info = out.observation, dict(out.info)
             ctx = Context(spec.id, out.observation, dict(out.info))
-            lines.append(_Line(out.session, ctx, ROOT, i, i + 1 if n > 1 else 0, group="root"))
+            sib = i + 1 if n > 1 else 0
+            lines.append(_Line(out.session, ctx, ROOT, i, sib, group="root", rng=streams[i]))
         return lines
 
     try:

@@ -43,7 +43,7 @@ def test_tree_topology_and_no_live_snapshots():
 
 
 def test_siblings_start_from_the_restored_state():
-    env = gym.make(TEXT, transition_noise=0.0)  # deterministic moves
+    env = gym.make(TEXT, transition_noise=0.0, reward_noise=0.0)  # deterministic env
     tree = grow_tree(env, TextPolicy(), "entropy", m=2, k=6, seed=3, rng=1, schedule_options=STEPS)
     for b in tree.branch_points():
         first = tree[b.siblings[0]]
