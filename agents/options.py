@@ -16,6 +16,7 @@ import dataclasses
 import difflib
 import inspect
 import json
+import math
 import textwrap
 import types
 import typing
@@ -103,6 +104,9 @@ class TrainArgs:
     """torch CPU threads (one is fastest for tiny models on a shared CPU)."""
     executor: str = "inprocess"
     """Where sandboxes run: ``inprocess``, ``thread``, ``process`` or ``ray``."""
+    timeout: float = 600.0
+    """Seconds one sandbox call (reset, step, snapshot, restore) may take; a call past it
+    ends that rollout, recorded as an error (the executor's per-call timeout)."""
     progress: bool = True
     """Show a tqdm progress bar."""
 
@@ -117,7 +121,27 @@ class TrainArgs:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:
                 raise TrainingConfigError(f"{name} must be an integer >= 0; got {value!r}.")
-        require(self.lr > 0, f"lr must be > 0; got {self.lr}.")
+        for name in ("lr", "timeout"):
+            value = getattr(self, name)
+            ok = isinstance(value, int | float) and not isinstance(value, bool)
+            require(
+                ok and math.isfinite(value) and value > 0,
+                f"{name} must be a finite number > 0; got {value!r}.",
+            )
+        require(
+            isinstance(self.seed, int) and not isinstance(self.seed, bool) and self.seed >= 0,
+            f"seed must be an integer >= 0; got {self.seed!r}.",
+        )
+        mes = self.max_episode_steps
+        require(
+            mes is None or (isinstance(mes, int) and not isinstance(mes, bool) and mes >= 1),
+            f"max_episode_steps must be an integer >= 1 (or left out); got {mes!r}.",
+        )
+        require(
+            isinstance(self.success_threshold, int | float)
+            and math.isfinite(self.success_threshold),
+            f"success_threshold must be a finite number; got {self.success_threshold!r}.",
+        )
         require(self.weight_decay >= 0, f"weight_decay must be >= 0; got {self.weight_decay}.")
         require(self.grad_clip >= 0, f"grad_clip must be >= 0 (0: off); got {self.grad_clip}.")
         require(

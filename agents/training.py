@@ -24,6 +24,17 @@ The data path it drives lives in modules of one concern each, in the order data 
 Every public name of those modules that learners use is re-exported here, so
 ``from branchgym.agents.training import Batch, Run, TrainArgs, ...`` keeps working.
 The math is not here: losses and advantages come from :mod:`branchgym.agents.losses`.
+
+The module is over 600 lines because :class:`Run` is one object by design (set-up,
+rescoring, the update, the loop with its stop and crash checkpoints, save and resume all
+read and write the same model, optimiser and step); its re-export list is a third of it.
+
+Checkpoints verify (:mod:`~branchgym.agents.checkpoints`): a SHA-256 per file in
+``trainer_state.json`` checked on load, finite weights and optimiser state on save and
+load, fsync and an atomic swap that never deletes the previous checkpoint first, a
+checkpoint at the step boundary after SIGINT/SIGTERM (a second signal stops at once), a
+``checkpoint-NNNNNN-crash`` when a step raises, and a resumed run continues its own
+``metrics.jsonl`` without logging a step twice.
 """
 
 from __future__ import annotations
@@ -32,6 +43,7 @@ import contextlib
 import copy
 import dataclasses
 import json
+import os
 import time
 import warnings
 from collections.abc import Callable, Iterator, Sequence
@@ -41,10 +53,15 @@ from typing import Any
 import numpy as np
 from branchgym.agents.checkpoints import (
     CHECKPOINT_VERSION,
+    check_finite,
+    file_digests,
     json_default,
     load_checkpoint_state,
     optimizer_state,
     optimizer_tensors,
+    stop_on_signals,
+    truncate_metrics,
+    write_atomically,
 )
 from branchgym.agents.evaluation import SUCCESS_KEYS, EvalResult, evaluate, success_of
 from branchgym.agents.forward import (
@@ -233,7 +250,7 @@ class Run:
         self.behaviour = _Autocast(self.policy, self.autocast) if self.bf16 else self.policy
         self.spec = EnvRecipe(args.env_id, self._env_kwargs(args.env_kwargs))
         self._check_env()
-        self.executor = make_executor(args.executor)
+        self.executor = make_executor(args.executor, timeout=args.timeout)
         params = [p for p in self.model.parameters() if p.requires_grad]
         self.optimizer = torch.optim.AdamW(
             params, lr=args.lr, betas=tuple(args.adam_betas), weight_decay=args.weight_decay
@@ -260,7 +277,16 @@ class Run:
         self._t0 = time.perf_counter()
         env_name = args.env_id.split("/")[-1]
         self.out_dir = Path(args.out_dir or f"runs/{algo}-{env_name}-{args.seed}")
-        self.out_dir.mkdir(parents=True, exist_ok=True)
+        try:
+            self.out_dir.mkdir(parents=True, exist_ok=True)
+            probe = self.out_dir / f".write-test-{os.getpid()}"
+            probe.write_text("")
+            probe.unlink()
+        except OSError as exc:
+            raise TrainingConfigError(
+                f"out_dir {str(self.out_dir)!r} is not a writable folder ({exc.strerror or exc}); "
+                "give a folder path this user can write."
+            ) from exc
         metrics_file = self.out_dir / "metrics.jsonl"
         if resume is None and metrics_file.is_file() and metrics_file.stat().st_size:
             if not args.overwrite:
@@ -292,7 +318,13 @@ class Run:
             gym.spec(self.spec.id)
         except gym.error.Error:
             branchgym.make(self.spec.id)  # raises UnknownEnvError with "did you mean"
-        env = self.spec.make()
+        try:
+            env = self.spec.make()
+        except TypeError as exc:  # an env kwarg the env does not take, or of a wrong type
+            raise TrainingConfigError(
+                f"env_kwargs {self.args.env_kwargs!r} do not fit {self.spec.id}: {exc}. Use "
+                "the names and types of the env's constructor (its docstring lists them)."
+            ) from exc
         try:
             if not isinstance(env.action_space, gym.spaces.Text):
                 raise TrainingConfigError(
@@ -477,6 +509,8 @@ class Run:
         bar = tqdm(
             total=a.steps, initial=self.step, desc=self.algo, disable=not a.progress, leave=False
         )
+        stop: dict[str, str] = {}
+        restore_handlers = stop_on_signals(stop)
         try:
             while self.step < a.steps:
                 self._pending = {}
@@ -500,7 +534,29 @@ class Run:
                 )
                 if a.checkpoint_every and self.step % a.checkpoint_every == 0:
                     self.save()
+                if stop:  # SIGINT/SIGTERM: stop at this step boundary, with a checkpoint
+                    path = self._save_once()
+                    raise KeyboardInterrupt(
+                        f"{stop['signal']}: stopped after step {self.step}; resume with "
+                        f"resume={path}"
+                    )
+        except KeyboardInterrupt:
+            raise
+        except BaseException:
+            # Whatever failed, keep what was learned: a checkpoint of the last completed
+            # step (named -crash: the failed step's update may be in it), unless the model
+            # diverged (check_finite refuses it) or one was just written.
+            done = self.last_checkpoint is not None and self.last_checkpoint.name == (
+                f"checkpoint-{self.step:06d}"
+            )
+            if self.step and not done:
+                try:
+                    self.save(self.out_dir / f"checkpoint-{self.step:06d}-crash")
+                except Exception as save_exc:  # noqa: BLE001 - the original error matters
+                    warnings.warn(f"no crash checkpoint: {save_exc}", stacklevel=2)
+            raise
         finally:
+            restore_handlers()
             bar.close()
         if a.eval_episodes:
             self.eval_end = self.evaluate()
@@ -509,6 +565,13 @@ class Run:
             f"{self.step:06d}"
         ):
             self.save()
+
+    def _save_once(self) -> Path:
+        """The checkpoint of the current step (written now unless it already is)."""
+        name = f"checkpoint-{self.step:06d}"
+        if self.last_checkpoint is None or self.last_checkpoint.name != name:
+            return self.save()
+        return self.last_checkpoint
 
     def log(self, metrics: dict[str, float]) -> None:
         """Add metrics to the current step's line."""
@@ -539,6 +602,8 @@ class Run:
         from safetensors.torch import save_file, save_model
 
         out = Path(folder) if folder else self.out_dir / f"checkpoint-{self.step:06d}"
+        # Never write a diverged model: it would be resumed, and saved again, as if sound.
+        check_finite(f"cannot save step {self.step}", self.model.named_parameters())
         tmp = out.with_name(out.name + ".partial")
         if tmp.exists():
             import shutil
@@ -549,6 +614,7 @@ class Run:
             self.model.save_pretrained(tmp, safe_serialization=True)
             self.tokenizer.save_pretrained(tmp)
         tensors, opt_meta = optimizer_tensors(self.optimizer)
+        check_finite(f"cannot save step {self.step}: optimizer state", tensors)
         save_file(tensors, str(tmp / "optimizer.safetensors"))
         if self.ref is not None:
             save_model(self.ref, str(tmp / "ref.safetensors"))
@@ -562,13 +628,12 @@ class Run:
             "grad_norm": dataclasses.asdict(self.grad_norm),
             "torch_rng": torch.get_rng_state().tolist(),
             "policy": self.kind.name,
+            "files": file_digests(tmp),  # checked on load: damage is refused, not resumed
         }
         (tmp / "trainer_state.json").write_text(json.dumps(state, default=json_default))
-        if out.exists():
-            import shutil
-
-            shutil.rmtree(out)
-        tmp.rename(out)  # a half-written checkpoint is never taken for a whole one
+        # fsync, then swap: a crash never leaves a half-written checkpoint under the
+        # final name, and never deletes the previous one before the new one is whole.
+        write_atomically(tmp, out)
         self.last_checkpoint = out
         return out
 
@@ -598,9 +663,16 @@ class Run:
             raise CheckpointError(
                 f"{folder} was trained with policy={state['policy']!r}; resume with the same."
             )
+        check_finite(f"cannot resume from {folder}", self.model.named_parameters())
+        check_finite(f"cannot resume from {folder}: optimizer state", tensors)
         self.step = int(state["step"])
         self.grad_norm = RunningStats(**state["grad_norm"])
         torch.set_rng_state(torch.tensor(state["torch_rng"], dtype=torch.uint8))
+        self._continue_metrics(self.step)
+
+    def _continue_metrics(self, step: int) -> None:
+        """Resuming into the run's own folder: its log keeps lines up to ``step`` only."""
+        self.history = truncate_metrics(self.out_dir / "metrics.jsonl", step)
 
     def close(self) -> TrainResult:
         """Close the logs, draw the curves, shut the executor down; the run's result."""
