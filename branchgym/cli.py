@@ -18,6 +18,7 @@ from typing import Any, TextIO
 
 import branchgym
 from branchgym.agents import train as train_cli
+from branchgym.bench.common import positive_int, seed_int
 from branchgym.envs.alfworld import cli as alfworld_cli
 from branchgym.error import Error
 
@@ -43,28 +44,6 @@ def cmd_list(args: argparse.Namespace) -> int:
 
 
 # ----------------------------------------------------------------------- check
-
-
-def positive_int(text: str) -> int:
-    """An argparse type: a whole number >= 1 (argparse reports the option and the value)."""
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a whole number >= 1, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected a whole number >= 1, got {value}")
-    return value
-
-
-def seed_int(text: str) -> int:
-    """An argparse type: a seed, a whole number >= 0 (numpy refuses negative seeds)."""
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a whole number >= 0, got {text!r}") from None
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"seeds are whole numbers >= 0, got {value}")
-    return value
 
 
 def configure_check(p: argparse.ArgumentParser) -> None:

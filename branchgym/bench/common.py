@@ -16,6 +16,7 @@ import numpy as np
 
 __all__ = [
     "positive_int",
+    "seed_int",
     "Timing",
     "time_calls",
     "markdown_table",
@@ -24,15 +25,24 @@ __all__ = [
 ]
 
 
-def positive_int(text: str) -> int:
-    """An argparse ``type``: an integer of at least 1, else a usage error saying so."""
+def _int_at_least(text: str, low: int) -> int:
     try:
         value = int(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"{text!r} is not an integer; give e.g. 4") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"{value} must be at least 1")
+    if value < low:
+        raise argparse.ArgumentTypeError(f"{value} must be at least {low}")
     return value
+
+
+def positive_int(text: str) -> int:
+    """An argparse ``type``: an integer of at least 1, else a usage error saying so."""
+    return _int_at_least(text, 1)
+
+
+def seed_int(text: str) -> int:
+    """An argparse ``type``: a seed, an integer of at least 0 (numpy refuses negatives)."""
+    return _int_at_least(text, 0)
 
 
 @dataclasses.dataclass(frozen=True)

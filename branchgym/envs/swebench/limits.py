@@ -42,7 +42,15 @@ from typing import Any
 
 from branchgym.error import SandboxConfigError
 
-__all__ = ["Limits", "parse_size", "format_size", "Cgroups", "CommandGroup", "cgroups"]
+__all__ = [
+    "Limits",
+    "parse_size",
+    "format_size",
+    "Cgroups",
+    "CommandGroup",
+    "cgroups",
+    "pid_alive",
+]
 
 _UNITS = {"": 1, "b": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?)(?:i?b)?\s*$", re.IGNORECASE)
@@ -308,7 +316,7 @@ class Cgroups:
         for parent in self.parents.values():
             for d in parent.iterdir():
                 pid, _, _ = d.name.partition("-")
-                if d.is_dir() and pid.isdigit() and not _alive(int(pid)):
+                if d.is_dir() and pid.isdigit() and not pid_alive(int(pid)):
                     _kill_and_remove(d)
 
     def create(self, limits: Limits) -> CommandGroup | None:
@@ -349,7 +357,8 @@ class Cgroups:
         return CommandGroup(self, dirs)
 
 
-def _alive(pid: int) -> bool:
+def pid_alive(pid: int) -> bool:
+    """Whether a process with this pid exists (a pid we may not signal counts as alive)."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:

@@ -60,7 +60,7 @@ import weakref
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
-from branchgym.envs.swebench.limits import Limits, cgroups
+from branchgym.envs.swebench.limits import Limits, cgroups, pid_alive
 from branchgym.envs.swebench.sandbox import (
     WORKDIR,
     ExecResult,
@@ -221,16 +221,6 @@ def bwrap_support() -> tuple[bool, str]:
 # ------------------------------------------------------------------ the work store
 
 
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
 def _cleanup_stale(root: Path) -> None:
     """Remove what crashed processes left in the work root (their mounts, their folders)."""
     try:
@@ -239,7 +229,7 @@ def _cleanup_stale(root: Path) -> None:
         return
     for entry in entries:
         pid, _, _ = entry.name.partition("-")
-        if not pid.isdigit() or _pid_alive(int(pid)):
+        if not pid.isdigit() or pid_alive(int(pid)):
             continue
         for point in sorted(list_local_mounts(entry), key=len, reverse=True):
             try:
@@ -685,7 +675,12 @@ class _LocalSandbox(Sandbox):
     ) -> ExecResult:
         """Run ``bash -c command`` in the sandbox."""
         self._check_open()
-        return self.runner.run(self.host_dir, command, cwd, env, timeout)
+        return self.runner.run(self.host_dir, command, cwd, env, timeout, self.quota_dir)
+
+    @property
+    def quota_dir(self) -> Path | None:
+        """A mount whose fill level is the disk quota's (None: only the per-file limit)."""
+        return None
 
     def read(self, path: str) -> bytes:
         """A file's bytes."""
@@ -828,17 +823,10 @@ class OverlaySandbox(_LocalSandbox):
         """The merged mount."""
         return self.merged
 
-    def exec(
-        self,
-        command: str,
-        *,
-        cwd: str = WORKDIR,
-        env: Mapping[str, str] | None = None,
-        timeout: float | None = 60.0,
-    ) -> ExecResult:
-        """Run ``bash -c command`` in the sandbox (the writable layer's quota is checked)."""
-        self._check_open()
-        return self.runner.run(self.host_dir, command, cwd, env, timeout, disk_dir=self.rw)
+    @property
+    def quota_dir(self) -> Path:
+        """The writable layer's tmpfs (its fill level is the disk quota's)."""
+        return self.rw
 
     # -- mount management --------------------------------------------------------
     def _new_rw(self) -> None:
