@@ -167,3 +167,20 @@ def test_long_modules_say_why_at_the_top():
             if "over 600 lines" not in doc:
                 offenders.append(f"{rel}: {text.count(chr(10))} lines")
     assert not offenders, "long modules without a reason at the top:\n" + "\n".join(offenders)
+
+
+def test_the_source_papers_figures_live_in_one_module():
+    """The headline figures studies compare against are read from bench/source.py.
+
+    Numbers in code only: docstrings may quote them as prose.
+    """
+    figures = {1920.0, 42.0, 138.0, 0.42, 0.58, 0.312, 0.191, 0.006, 0.024, 0.042}
+    offenders = []
+    for path in sorted((ROOT / "branchgym" / "bench").glob("*.py")):
+        if path.name == "source.py":
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Constant) and isinstance(node.value, int | float):
+                if not isinstance(node.value, bool) and float(node.value) in figures:
+                    offenders.append(f"{path.relative_to(ROOT)}:{node.lineno}: {node.value}")
+    assert not offenders, "source figures written as literals:\n" + "\n".join(offenders)

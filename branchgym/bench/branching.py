@@ -23,6 +23,7 @@ from typing import Any
 import numpy as np
 from tqdm import tqdm
 
+from branchgym.bench import source
 from branchgym.bench.common import Report
 from branchgym.tree import TreeStats
 
@@ -37,15 +38,11 @@ ENVS: dict[str, dict[str, Any]] = {
     "branchgym/SWEBench-v0": {"max_episode_steps": 10},
 }
 
-#: Branching overhead the BPO source reports (its Table 4).
-SOURCE_OVERHEAD = {
-    "branchgym/WebShop-v0": 0.006,
-    "branchgym/ALFWorld-v0": 0.024,
-    "branchgym/SWEBench-v0": 0.042,
-}
+#: Branching overhead the BPO source reports (its Table 4): :mod:`branchgym.bench.source`.
+SOURCE_OVERHEAD = source.BRANCHING_OVERHEAD
 
 #: Student tokens saved by BranchOPD vs 7 independent rollouts, as the source reports.
-SOURCE_TOKENS_SAVED = {"branchgym/WebShop-v0": 0.312, "branchgym/ALFWorld-v0": 0.191}
+SOURCE_TOKENS_SAVED = source.TOKENS_SAVED
 
 
 def configure(parser: argparse.ArgumentParser) -> None:

@@ -22,6 +22,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from branchgym.bench import source
 from branchgym.bench.common import Report
 
 __all__ = ["configure", "main", "run_study", "STEPS"]
@@ -36,8 +37,8 @@ STEPS: list[tuple[str, list[str]]] = [
 
 #: What the source documents report, for the summary table.
 SOURCE = {
-    "snapshot_ms": {"WebShop-v0": 42.0, "ALFWorld-v0": 138.0, "SWEBench-v0": 1920.0},
-    "overhead": {"WebShop-v0": 0.6, "ALFWorld-v0": 2.4, "SWEBench-v0": 4.2},
+    "snapshot_ms": {k.split("/")[-1]: v for k, v in source.SNAPSHOT_MS.items()},
+    "overhead": {k.split("/")[-1]: 100 * v for k, v in source.BRANCHING_OVERHEAD.items()},
 }
 
 

@@ -25,6 +25,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+from branchgym.bench import source
 from branchgym.bench.common import Report
 from branchgym.bench.runs import (
     CI_MAZE,
@@ -52,6 +53,8 @@ MATCHED: dict[str, dict[str, Any]] = {
     "opd_multi": {"n": 7},
 }
 DISTILL = ("branch_opd", "opd", "opd_multi")
+
+_SRC = source.GRAD_NORM_VARIANCE_RATIO  # the source's BPO/GRPO ratios
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
@@ -182,7 +185,7 @@ def main(args: argparse.Namespace) -> int:
             ratios.append(b / g if g else float("nan"))
         line = (
             f"grad-norm variance BPO/GRPO: early {ratios[0]:.2f}, late {ratios[1]:.2f} "
-            "(source: 0.42 early, 0.58 late)"
+            f"(source: {_SRC['early']} early, {_SRC['late']} late)"
         )
         report.add(line)
         print(line)

@@ -20,17 +20,14 @@ import gymnasium as gym
 import numpy as np
 from tqdm import tqdm
 
+from branchgym.bench import source
 from branchgym.bench.common import Report, Timing
 from branchgym.core import restore, snapshot
 
 __all__ = ["configure", "main", "SECTIONS", "SOURCE_MS", "measure_env"]
 
 #: Snapshot cost the BPO source reports (its Table 4), by our env id.
-SOURCE_MS = {
-    "branchgym/WebShop-v0": 42.0,
-    "branchgym/ALFWorld-v0": 138.0,
-    "branchgym/SWEBench-v0": 1920.0,
-}
+SOURCE_MS = source.SNAPSHOT_MS
 
 #: Report sections, run in order; ``"module:function"`` taking ``(report, args)``.
 SECTIONS: list[str] = [

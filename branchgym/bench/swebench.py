@@ -28,11 +28,12 @@ from typing import Any
 import numpy as np
 from tqdm import tqdm
 
+from branchgym.bench import source
 from branchgym.bench.common import Report, Timing
 
 __all__ = ["section_swebench", "synthetic_repo"]
 
-SOURCE_MS = 1920.0
+SOURCE_MS = source.SNAPSHOT_MS["branchgym/SWEBench-v0"]
 TARGETS = {  # backend family -> (snapshot+restore ms, fork ms, snapshot ms)
     "local": (100.0, 50.0, None),
     "docker": (None, 1000.0, 300.0),
@@ -204,8 +205,8 @@ def section_swebench(report: Report, args: argparse.Namespace) -> None:
         "repetitions; Docker rows 3). *Disk* is what one snapshot adds (its overlay "
         "layer, new git objects or image layer). *Command* is the median time of `true` in "
         "the sandbox: what each agent step pays for isolation and limits. *vs source* is the "
-        "source's 1,920 ms per snapshot divided by ours. Targets: local snapshot+restore < "
-        "100 ms and fork < 50 ms; Docker snapshot < 300 ms and fork < 1 s."
+        f"source's {SOURCE_MS:,.0f} ms per snapshot divided by ours. Targets: local "
+        "snapshot+restore < 100 ms and fork < 50 ms; Docker snapshot < 300 ms and fork < 1 s."
     )
     headers = ["backend", "files changed", "snapshot ms", "restore ms", "fork ms",
                "command ms", "disk MB", "vs source", "targets"]  # fmt: skip
@@ -225,7 +226,7 @@ def section_swebench(report: Report, args: argparse.Namespace) -> None:
             ax.set_title(op)
             ax.set_xlabel("files changed")
         axes[0].set_ylabel("ms (median)")
-        axes[0].axhline(SOURCE_MS, color="k", ls=":", lw=1, label="source (1,920 ms)")
+        axes[0].axhline(SOURCE_MS, color="k", ls=":", lw=1, label=f"source ({SOURCE_MS:,.0f} ms)")
         axes[0].legend(fontsize=7)
         report.figure(fig, "swebench", f"SWE-bench sandbox cost by files changed ({n_files} files)")
 
@@ -276,7 +277,8 @@ def _section_tasks(report: Report, args: argparse.Namespace, repeats: int) -> No
     report.add(
         "## SWE-bench: the generated tasks through the env\n\nAfter the fix is applied: "
         "`env.snapshot()` (sandbox + tracked cwd/env), a change, `env.restore()`, and a "
-        "sandbox `fork()`; all 12 tasks pooled. *vs source* = 1,920 ms / (snapshot + restore)."
+        f"sandbox `fork()`; all 12 tasks pooled. *vs source* = {SOURCE_MS:,.0f} ms / "
+        "(snapshot + restore)."
     )
     print(
         report.table(

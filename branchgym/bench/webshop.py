@@ -20,13 +20,14 @@ import gymnasium as gym
 import numpy as np
 from tqdm import tqdm
 
+from branchgym.bench import source
 from branchgym.bench.common import Report, Timing
 
 __all__ = ["section_webshop", "measure_webshop", "configure", "main", "TARGETS"]
 
 #: Targets of the WebShop issue, checked at 1,000 products.
 TARGETS = {"snapshot_restore_ms": 1.0, "snapshot_bytes": 2048, "step_ms": 5.0}
-SOURCE_MS = 42.0  # snapshot cost the BPO source reports for WebShop
+SOURCE_MS = source.SNAPSHOT_MS["branchgym/WebShop-v0"]  # the BPO source's WebShop figure
 
 
 def measure_webshop(n_products: int, *, episodes: int, seed: int) -> dict[str, Any]:
@@ -181,7 +182,7 @@ def section_webshop(report: Report, args: argparse.Namespace) -> None:
     width = 0.8 / len(results)
     for j, m in enumerate(results):
         ax.bar(x + j * width, [m[k].median_ms for k in keys], width, label=f"{m['products']:,}")
-    ax.axhline(SOURCE_MS, color="k", ls="--", lw=1, label="source snapshot (42 ms)")
+    ax.axhline(SOURCE_MS, color="k", ls="--", lw=1, label=f"source snapshot ({SOURCE_MS:.0f} ms)")
     ax.set_xticks(x + width * (len(results) - 1) / 2, labels)
     ax.set_yscale("log")
     ax.set_ylabel("median ms (log)")
