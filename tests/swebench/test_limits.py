@@ -100,3 +100,16 @@ def test_harness_files_of_a_patch():
     )
     assert harness_files(patch) == ["conftest.py", "tests/sub/conftest.py", "evil.pth"]
     assert harness_files("diff --git a/src/conftest_helpers.py b/src/conftest_helpers.py\n") == []
+
+
+def test_explain_names_the_limit_a_command_hit():
+    lim = Limits(memory="256M", pids=64, cpu=30, disk="32M", tmp="16M")
+    assert lim.explain(137, b"", oom=True) == "memory limit 256 MiB"
+    assert lim.explain(128 + 24, b"") == "CPU time limit 30 s"  # SIGXCPU
+    assert lim.explain(0, b"fork: retry", pids_max=True) == "process limit 64"
+    assert lim.explain(1, b"No space left on device", layer_full=True) == "disk quota 32 MiB"
+    assert lim.explain(153, b"") == "disk quota 32 MiB (file size)"  # SIGXFSZ
+    assert lim.explain(1, b"No space left on device") == "/tmp quota 16 MiB"
+    assert lim.explain(1, b"No space left on device", enospc="disk") == "disk quota 32 MiB"
+    assert lim.explain(1, b"plain failure") == ""
+    assert Limits(memory=None).explain(137, b"", oom=True) == ""

@@ -48,7 +48,6 @@ import json
 import os
 import re
 import shlex
-import signal
 import socket
 import tarfile
 import tempfile
@@ -411,21 +410,14 @@ class DockerSandbox(Sandbox):
         return dataclasses.replace(res, limit=self._limit_hit(res, before))
 
     def _limit_hit(self, res: ExecResult, before: dict[str, int]) -> str:
-        lim = self.b.limits
         after = self.b.cgroup_counts(self.box.c.id)
-        if after.get("oom_kill", 0) > before.get("oom_kill", 0) and lim.memory is not None:
-            return lim.describe("memory")
-        if res.exit_code == 128 + signal.SIGXCPU and lim.cpu is not None:
-            return lim.describe("cpu")
-        if (
-            res.exit_code == 128 + signal.SIGXFSZ or b"File size limit exceeded" in res.output
-        ) and lim.disk is not None:
-            return lim.describe("disk") + " (file size)"
-        if after.get("pids_max", 0) > before.get("pids_max", 0) and lim.pids is not None:
-            return lim.describe("pids")
-        if b"No space left on device" in res.output and lim.disk is not None:
-            return lim.describe("disk")
-        return ""
+        return self.b.limits.explain(
+            res.exit_code,
+            res.output,
+            oom=after.get("oom_kill", 0) > before.get("oom_kill", 0),
+            pids_max=after.get("pids_max", 0) > before.get("pids_max", 0),
+            enospc="disk",  # /tmp is part of the container's writable layer
+        )
 
     def _exec(
         self, argv: list[str], timeout: float | None, stderr: bool = True, user: str = "0"

@@ -163,6 +163,43 @@ class Limits:
         label = {"disk": "disk quota", "tmp": "/tmp quota", "output": "output limit"}
         return f"{label.get(name, name + ' limit')} {format_size(v)}"
 
+    def explain(
+        self,
+        exit_code: int,
+        output: bytes,
+        *,
+        oom: bool = False,
+        pids_max: bool = False,
+        layer_full: bool = False,
+        enospc: str = "tmp",
+    ) -> str:
+        """The limit a finished command hit, as the observation names it ('' for none).
+
+        Args:
+            exit_code: The command's exit status (128 + SIGXCPU / SIGXFSZ name rlimits).
+            output: Its output (the kernel's "No space left on device", bash's "File size
+                limit exceeded").
+            oom: Its memory cgroup killed a process.
+            pids_max: Its pids cgroup refused a fork.
+            layer_full: The writable layer's quota mount filled up during it.
+            enospc: The limit an unexplained ENOSPC belongs to (``tmp`` where ``/tmp`` is a
+                sized tmpfs of its own, ``disk`` where it is part of the writable layer).
+        """
+        if oom and self.memory is not None:
+            return self.describe("memory")
+        if exit_code == 128 + signal.SIGXCPU and self.cpu is not None:
+            return self.describe("cpu")
+        if pids_max and self.pids is not None:
+            return self.describe("pids")
+        if self.disk is not None:
+            if layer_full:
+                return self.describe("disk")
+            if exit_code == 128 + signal.SIGXFSZ or b"File size limit exceeded" in output:
+                return self.describe("disk") + " (file size)"
+        if b"No space left on device" in output and getattr(self, enospc) is not None:
+            return self.describe(enospc)
+        return ""
+
     def ulimit_prefix(self, *, memory_rlimit: bool) -> str:
         """``ulimit`` lines (soft and hard) that start a command's script."""
         parts = []

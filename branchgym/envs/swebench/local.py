@@ -49,7 +49,6 @@ import errno
 import itertools
 import os
 import shutil
-import signal
 import stat
 import subprocess
 import sys
@@ -602,23 +601,21 @@ class _Runner:
     def _limit_hit(
         self, res: ExecResult, hit: Mapping[str, int], disk_dir: Path | None, full_before: bool
     ) -> str:
-        lim = self.limits
-        if hit.get("oom_kill"):
-            return lim.describe("memory")
-        if res.exit_code == 128 + signal.SIGXCPU and lim.cpu is not None:
-            return lim.describe("cpu")
-        if hit.get("pids_max"):
-            return lim.describe("pids")
-        if lim.disk is not None:
-            enospc = b"No space left on device" in res.output
-            # Full now, and this command filled it (or ran into it): the quota is the news.
-            if disk_dir is not None and (enospc or not full_before) and _nearly_full(disk_dir):
-                return lim.describe("disk")
-            if res.exit_code == 128 + signal.SIGXFSZ or b"File size limit exceeded" in res.output:
-                return lim.describe("disk") + " (file size)"
-        if b"No space left on device" in res.output and lim.tmp is not None:
-            return lim.describe("tmp")
-        return ""
+        enospc = b"No space left on device" in res.output
+        # Full now, and this command filled it (or ran into it): the quota is the news.
+        full = (
+            self.limits.disk is not None
+            and disk_dir is not None
+            and (enospc or not full_before)
+            and _nearly_full(disk_dir)
+        )
+        return self.limits.explain(
+            res.exit_code,
+            res.output,
+            oom=bool(hit.get("oom_kill")),
+            pids_max=bool(hit.get("pids_max")),
+            layer_full=full,
+        )
 
 
 def _nearly_full(path: Path) -> bool:
