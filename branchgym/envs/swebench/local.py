@@ -46,6 +46,7 @@ import ctypes
 import ctypes.util
 import dataclasses
 import errno
+import functools
 import itertools
 import os
 import shutil
@@ -412,7 +413,8 @@ _PASSWD = (
 _GROUP = f"root:x:0:\nagent:x:{SANDBOX_UID}:\nnogroup:x:65534:\n"
 
 
-def _system_args(etc_dir: Path) -> list[str]:
+@functools.lru_cache(maxsize=8)
+def _system_args(etc_dir: Path) -> tuple[str, ...]:
     """Bubblewrap arguments for the read-only system.
 
     /usr (and its merged-/usr links), the allowed /etc entries, and a passwd/group that
@@ -435,7 +437,7 @@ def _system_args(etc_dir: Path) -> list[str]:
         if not f.exists():
             f.write_text(text)
         args += ["--ro-bind", str(f), f"/etc/{name}"]
-    return args
+    return tuple(args)  # computed once per store: every command starts with it
 
 
 def interpreter_paths() -> list[str]:
