@@ -7,6 +7,8 @@ function counts the same as one at the top of a module.
 import ast
 import pathlib
 
+import pytest
+
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 #: Source folders and the package each is installed as (see pyproject's package-dir).
 PACKAGES = {
@@ -184,3 +186,13 @@ def test_the_source_papers_figures_live_in_one_module():
                 if not isinstance(node.value, bool) and float(node.value) in figures:
                     offenders.append(f"{path.relative_to(ROOT)}:{node.lineno}: {node.value}")
     assert not offenders, "source figures written as literals:\n" + "\n".join(offenders)
+
+
+def test_moved_bench_modules_forward_and_warn():
+    import importlib
+
+    from branchgym.bench import webshop
+
+    old = importlib.import_module("branchgym.envs.webshop.bench")
+    with pytest.warns(DeprecationWarning, match="moved to branchgym.bench.webshop"):
+        assert old.SOURCE_MS == webshop.SOURCE_MS

@@ -7,18 +7,6 @@ works (loaded on first access) but warns.
 
 from __future__ import annotations
 
-import warnings
-from typing import Any
+from branchgym.deprecation import moved
 
-
-def __getattr__(name: str) -> Any:
-    if name.startswith("__"):
-        raise AttributeError(name)
-    from branchgym.bench import alfworld as moved
-
-    warnings.warn(
-        "branchgym.envs.alfworld.bench moved to branchgym.bench.alfworld; import it from there",
-        DeprecationWarning,
-        stacklevel=2,
-    )
-    return getattr(moved, name)
+__getattr__ = moved(__name__, "branchgym.bench.alfworld")
