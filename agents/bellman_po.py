@@ -26,7 +26,7 @@ from collections.abc import Callable
 import numpy as np
 import torch
 from branchgym.agents import losses
-from branchgym.agents.training import (
+from branchgym.agents.run import (
     Batch,
     Chunk,
     Run,

@@ -40,7 +40,7 @@ from typing import Any
 import numpy as np
 import torch
 from branchgym.agents import losses, pbr
-from branchgym.agents.training import (
+from branchgym.agents.run import (
     Batch,
     Chunk,
     GenerateKind,

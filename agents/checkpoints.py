@@ -3,7 +3,7 @@
 A checkpoint folder holds the model (safetensors), the optimizer's tensors
 (:func:`optimizer_tensors`, safetensors) and ``trainer_state.json`` (version
 :data:`CHECKPOINT_VERSION`, read back by :func:`load_checkpoint_state`). Writing and
-loading a whole run is :meth:`branchgym.agents.training.Run.save` / ``resume``.
+loading a whole run is :meth:`branchgym.agents.run.Run.save` / ``resume``.
 """
 
 from __future__ import annotations

@@ -24,7 +24,7 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 from branchgym.agents import losses
-from branchgym.agents.training import (
+from branchgym.agents.run import (
     WEIGHTS,
     Batch,
     Chunk,

@@ -14,7 +14,7 @@ from __future__ import annotations
 import dataclasses
 
 from branchgym.agents import branch_opd
-from branchgym.agents.training import TrainResult
+from branchgym.agents.run import TrainResult
 
 __all__ = ["Args", "MultiArgs", "main", "main_multi"]
 

@@ -87,7 +87,7 @@ def learner(algo: str) -> Learner:
 
 def make_args(algo: str, **options: Any) -> Any:
     """The learner's Args from keyword options (strings are converted, names checked)."""
-    from branchgym.agents.training import args_from_dict
+    from branchgym.agents.run import args_from_dict
 
     spec = learner(algo)
     cls, _ = spec.load()
@@ -107,7 +107,7 @@ def train(algo: str, **options: Any) -> Any:
     With ``resume=<checkpoint>``, the checkpoint's options are the defaults and the given
     ones override them.
     """
-    from branchgym.agents.training import load_checkpoint_state
+    from branchgym.agents.run import load_checkpoint_state
 
     if options.get("resume"):
         state = load_checkpoint_state(options["resume"])
@@ -159,7 +159,7 @@ def configure(p: argparse.ArgumentParser) -> None:
 
 
 def _options_table(algo: str) -> str:
-    from branchgym.agents.training import field_docs
+    from branchgym.agents.run import field_docs
 
     cls, _ = learner(algo).load()
     docs = field_docs(cls)

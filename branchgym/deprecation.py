@@ -19,9 +19,12 @@ def moved(old: str, new: str) -> Callable[[str], Any]:
     def __getattr__(name: str) -> Any:
         if name.startswith("__"):
             raise AttributeError(name)
+        target = importlib.import_module(new)
+        if not hasattr(target, name):  # probes (pytest's ``pytestmark``, hasattr) stay quiet
+            raise AttributeError(f"module {old!r} has no attribute {name!r}")
         warnings.warn(
             f"{old} moved to {new}; import it from there", DeprecationWarning, stacklevel=2
         )
-        return getattr(importlib.import_module(new), name)
+        return getattr(target, name)
 
     return __getattr__

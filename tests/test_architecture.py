@@ -132,7 +132,7 @@ def test_no_private_names_cross_module_boundaries():
 
 
 def test_former_private_names_still_resolve():
-    from branchgym.agents import training
+    from branchgym.agents import run as training
 
     from branchgym import checker, core
 

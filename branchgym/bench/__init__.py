@@ -30,7 +30,7 @@ STUDIES: dict[str, tuple[str, str]] = {
         "branching overhead and tokens saved by shared prefixes, per env",
     ),
     "learning": (
-        "branchgym.bench.learning",
+        "branchgym.bench.bpo_vs_grpo",
         "Branching PO vs GRPO vs RLOO at matched rollouts, ablations, WebShop after SFT",
     ),
     "distill": (
@@ -42,7 +42,7 @@ STUDIES: dict[str, tuple[str, str]] = {
         "Bellman PO vs GRPO with several updates per batch: success, omega vs ratio spread",
     ),
     "learners": (
-        "branchgym.bench.learners",
+        "branchgym.bench.all_learners",
         "the reference learners at matched compute on TextTreeMDP: exact success by step",
     ),
 }

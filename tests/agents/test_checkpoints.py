@@ -6,7 +6,7 @@ import signal
 
 import pytest
 import torch
-from branchgym.agents import training
+from branchgym.agents import run as training
 from branchgym.agents.checkpoints import truncate_metrics, write_atomically
 from branchgym.agents.train import train
 

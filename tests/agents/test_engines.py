@@ -22,7 +22,7 @@ from branchgym.error import DataError, EngineError  # noqa: E402
 from branchgym.rollout import grow_tree  # noqa: E402
 from branchgym.schedules import topk_entropy  # noqa: E402
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
+ROOT = pathlib.Path(__file__).resolve().parents[2]
 VLLM_PY = ROOT / ".venv-vllm" / "bin" / "python"
 
 

@@ -31,7 +31,7 @@ from branchgym.agents.models import load_model, tiny_qwen2  # noqa: E402
 from branchgym.agents.policy import ActRequest, Context, LLMPolicy, Policy  # noqa: E402
 from branchgym.agents.scoring import ScoringPolicy, trie_logprobs  # noqa: E402
 from branchgym.agents.train import LEARNERS, make_args, train  # noqa: E402
-from branchgym.agents.training import (  # noqa: E402
+from branchgym.agents.run import (  # noqa: E402
     POLICIES,
     Batch,
     Run,

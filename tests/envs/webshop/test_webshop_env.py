@@ -21,7 +21,7 @@ from branchgym.error import (
     SnapshotCorruptError,
     SnapshotMismatchError,
 )
-from tests import webshop_data
+from tests.envs.webshop import webshop_data
 
 
 @pytest.fixture(scope="module")

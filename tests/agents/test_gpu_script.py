@@ -10,7 +10,7 @@ import pytest
 pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
-SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "gpu_learners.py"
+SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "gpu_learners.py"
 
 
 @pytest.mark.slow

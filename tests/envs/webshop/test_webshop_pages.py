@@ -3,7 +3,7 @@
 import pytest
 
 from branchgym.envs.webshop import WebShopEnv
-from tests.webshop_data import write_catalog
+from tests.envs.webshop.webshop_data import write_catalog
 
 INS = "i need a sulfate free tea tree shampoo in 16 fl oz, and price lower than 40.00 dollars"
 HEAD = f"Instruction: [SEP] {INS} [SEP] Back to Search"

@@ -1,0 +1,688 @@
+"""The training run every learner shares, and the one import for learner files.
+
+A learner file (``grpo.py``, ``bpo.py``, ``bellman_po.py``, ``branch_opd.py``, ``sft.py``)
+is an ``Args`` dataclass and a loop that reads like its paper. :class:`Run` holds what is
+the same for all of them: model, engine, optimiser, scheduler, reference model, metrics
+(JSONL, namespaced keys), evaluation, checkpoints in safetensors with exact resume, and
+the training loop's progress bar.
+
+The data path it drives lives in modules of one concern each, in the order data flows
+(env -> snapshot -> tree are :mod:`branchgym.rollout` and :mod:`branchgym.tree`):
+
+* :mod:`~branchgym.agents.options`: :class:`TrainArgs` and CLI/JSON type coercion;
+* :mod:`~branchgym.agents.lr_schedules`: :data:`LR_SCHEDULES`;
+* :mod:`~branchgym.agents.rows`: trees -> :class:`Decision`, :class:`Row`,
+  :class:`Batch`, :class:`Chunk` (token rows and masks), :data:`WEIGHTS`;
+* :mod:`~branchgym.agents.forward`: packed forward passes with 4-D masks;
+* :mod:`~branchgym.agents.policy_kinds`: :data:`POLICIES` (``generate``, ``scoring``):
+  how the model acts and rescores its actions with gradients;
+* :mod:`~branchgym.agents.metrics`: logged diagnostics;
+* :mod:`~branchgym.agents.evaluation`: :func:`success_of`, :func:`evaluate`;
+* :mod:`~branchgym.agents.checkpoints`: checkpoint format and optimizer state;
+* :mod:`~branchgym.agents.plots`: :func:`plot_curves`.
+
+Every public name of those modules that learners use is re-exported here, so
+learner files need one import: ``from branchgym.agents.run import Batch, Run, TrainArgs, ...``
+(``branchgym.agents.training``, the former name, forwards here for one release).
+The math is not here: losses and advantages come from :mod:`branchgym.agents.losses`.
+
+The module is over 600 lines because :class:`Run` is one object by design (set-up,
+rescoring, the update, the loop with its stop and crash checkpoints, save and resume all
+read and write the same model, optimiser and step); its re-export list is a third of it.
+
+Checkpoints verify (:mod:`~branchgym.agents.checkpoints`): a SHA-256 per file in
+``trainer_state.json`` checked on load, finite weights and optimiser state on save and
+load, fsync and an atomic swap that never deletes the previous checkpoint first, a
+checkpoint at the step boundary after SIGINT/SIGTERM (a second signal stops at once), a
+``checkpoint-NNNNNN-crash`` when a step raises, and a resumed run continues its own
+``metrics.jsonl`` without logging a step twice.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import dataclasses
+import json
+import os
+import time
+import warnings
+from collections.abc import Callable, Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from branchgym.agents.checkpoints import (
+    CHECKPOINT_VERSION,
+    check_finite,
+    file_digests,
+    json_default,
+    load_checkpoint_state,
+    optimizer_state,
+    optimizer_tensors,
+    stop_on_signals,
+    truncate_metrics,
+    write_atomically,
+)
+from branchgym.agents.evaluation import SUCCESS_KEYS, EvalResult, evaluate, success_of
+from branchgym.agents.forward import (
+    FORWARD_TOKENS,
+    Pack,
+    bucketed_forward,
+    length_buckets,
+    packed_forward,
+)
+from branchgym.agents.lr_schedules import LR_SCHEDULES
+from branchgym.agents.metrics import (
+    RunningStats,
+    advantage_metrics,
+    ratio_spread,
+    rollout_metrics,
+)
+from branchgym.agents.options import (
+    TrainArgs,
+    args_from_dict,
+    field_docs,
+    require,
+    require_one_of,
+)
+from branchgym.agents.plots import plot_curves
+from branchgym.agents.policy_kinds import POLICIES, GenerateKind, PolicyKind, ScoringKind
+from branchgym.agents.rows import (
+    WEIGHTS,
+    Batch,
+    Chunk,
+    Decision,
+    Row,
+    path_decisions,
+    row_weight,
+    token_weight,
+)
+
+from branchgym.error import CheckpointError, DependencyMissingError, TrainingConfigError
+from branchgym.executors import EnvRecipe, make_executor
+
+try:
+    import torch
+    from torch import Tensor
+except ImportError as exc:  # pragma: no cover - exercised only without the extra
+    raise DependencyMissingError.for_extra("branchgym.agents.run", "llm", "torch") from exc
+
+__all__ = [
+    "CHECKPOINT_VERSION",
+    "FORWARD_TOKENS",
+    "LR_SCHEDULES",
+    "POLICIES",
+    "SUCCESS_KEYS",
+    "WEIGHTS",
+    "Batch",
+    "Chunk",
+    "Decision",
+    "EvalResult",
+    "GenerateKind",
+    "Pack",
+    "PolicyKind",
+    "Row",
+    "Run",
+    "RunningStats",
+    "ScoringKind",
+    "TrainArgs",
+    "TrainResult",
+    "advantage_metrics",
+    "args_from_dict",
+    "bucketed_forward",
+    "evaluate",
+    "field_docs",
+    "length_buckets",
+    "load_checkpoint_state",
+    "packed_forward",
+    "path_decisions",
+    "plot_curves",
+    "ratio_spread",
+    "require",
+    "require_one_of",
+    "rollout_metrics",
+    "row_weight",
+    "success_of",
+    "token_weight",
+]
+
+# Former private names, kept for code that imported them before they were made public.
+_require = require
+_choice = require_one_of
+_packed_forward = packed_forward
+_bucketed_forward = bucketed_forward
+_optimizer_tensors = optimizer_tensors
+_optimizer_state = optimizer_state
+_json_default = json_default
+
+
+@dataclasses.dataclass
+class TrainResult:
+    """What a training run produced.
+
+    Attributes:
+        out_dir: The run folder.
+        checkpoint: The last checkpoint written.
+        history: Every logged metrics line.
+        eval_start: Evaluation before training (None when ``eval_episodes == 0``).
+        eval_end: Evaluation after training.
+    """
+
+    out_dir: Path
+    checkpoint: Path | None
+    history: list[dict[str, float]]
+    eval_start: EvalResult | None = None
+    eval_end: EvalResult | None = None
+
+
+@contextlib.contextmanager
+def _quiet_transformers() -> Iterator[None]:
+    """No transformers progress bars while loading and saving (the run has its own)."""
+    from transformers.utils import logging as hf_logging
+
+    was = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        if was:
+            hf_logging.enable_progress_bar()
+
+
+class _Autocast:
+    """A policy wrapper that samples under the run's autocast context (bf16 on CUDA)."""
+
+    def __init__(self, policy: Any, ctx: Callable[[], Any]) -> None:
+        self.policy, self.ctx = policy, ctx
+
+    def act(self, requests: Any, rng: np.random.Generator) -> Any:
+        with self.ctx():
+            return self.policy.act(requests, rng)
+
+
+class Run:
+    """One training run: everything a learner's loop needs, set up from its Args.
+
+    Args:
+        args: The learner's Args (already checked).
+        algo: The learner's name (``bpo``, ``grpo``, ...), recorded in checkpoints.
+        needs_ref: Keep a frozen copy of the initial model as ``pi_ref`` (KL term).
+    """
+
+    def __init__(self, args: TrainArgs, algo: str, *, needs_ref: bool = False) -> None:
+        """Load the model (or the checkpoint), build engine, optimizer, scheduler and logs."""
+        from branchgym.agents.engines.hf import HFEngine
+        from branchgym.agents.models import load_model
+
+        args.check()
+        self.algo = algo
+        self.args = args
+        resume = load_checkpoint_state(args.resume) if args.resume else None
+        if resume is not None and resume.get("algo") != algo:
+            raise CheckpointError(
+                f"{args.resume} is a {resume.get('algo')!r} checkpoint; resume it with "
+                f"--algo {resume.get('algo')} (or start {algo} from its weights with --model)."
+            )
+        if args.device == "cuda" and not torch.cuda.is_available():
+            raise TrainingConfigError("device='cuda' but torch sees no GPU; use device='cpu'.")
+        use_cuda = args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available())
+        self.device = torch.device("cuda" if use_cuda else "cpu")
+        self.bf16 = self.device.type == "cuda" and args.precision == "auto"
+        torch.manual_seed(args.seed)
+        with _quiet_transformers():
+            model, tok = load_model(args.resume or args.model)
+        model = model.float()  # float32 master weights; bf16 only as autocast (CUDA)
+        self.tokenizer = tok
+        self.engine = HFEngine(
+            model,
+            tok,
+            device=str(self.device),
+            dtype=torch.float32,
+            max_new_tokens=args.max_new_tokens,
+            threads=args.threads,
+        )
+        self.model = self.engine.model
+        name = args.policy
+        if name == "auto":
+            name = "scoring" if args.model == "tiny" else "generate"
+        self.kind = POLICIES[name]
+        self.policy = self.kind.make(self.engine, args)
+        self.behaviour = _Autocast(self.policy, self.autocast) if self.bf16 else self.policy
+        self.spec = EnvRecipe(args.env_id, self._env_kwargs(args.env_kwargs))
+        self._check_env()
+        self.executor = make_executor(args.executor, timeout=args.timeout)
+        params = [p for p in self.model.parameters() if p.requires_grad]
+        self.optimizer = torch.optim.AdamW(
+            params, lr=args.lr, betas=tuple(args.adam_betas), weight_decay=args.weight_decay
+        )
+        fn = LR_SCHEDULES[args.lr_schedule]
+        warm, total = args.warmup_steps, args.steps
+
+        def multiplier(step: int) -> float:
+            if step < warm:
+                return (step + 1) / warm
+            return fn(step - warm, max(total - warm, 1))
+
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, multiplier)
+        self.ref = None
+        if needs_ref:
+            self.ref = self._frozen_copy(self.model)
+        self.step = 0
+        self.grad_norm = RunningStats()
+        self.history: list[dict[str, float]] = []
+        self.eval_start: EvalResult | None = None
+        self.eval_end: EvalResult | None = None
+        self.last_checkpoint: Path | None = None
+        self._pending: dict[str, float] = {}
+        self._t0 = time.perf_counter()
+        env_name = args.env_id.split("/")[-1]
+        self.out_dir = Path(args.out_dir or f"runs/{algo}-{env_name}-{args.seed}")
+        try:
+            self.out_dir.mkdir(parents=True, exist_ok=True)
+            probe = self.out_dir / f".write-test-{os.getpid()}"
+            probe.write_text("")
+            probe.unlink()
+        except OSError as exc:
+            raise TrainingConfigError(
+                f"out_dir {str(self.out_dir)!r} is not a writable folder ({exc.strerror or exc}); "
+                "give a folder path this user can write."
+            ) from exc
+        metrics_file = self.out_dir / "metrics.jsonl"
+        if resume is None and metrics_file.is_file() and metrics_file.stat().st_size:
+            if not args.overwrite:
+                raise TrainingConfigError(
+                    f"{self.out_dir} already holds a run (metrics.jsonl); choose another "
+                    "out_dir, resume it (resume=<checkpoint>) or set overwrite=true."
+                )
+            metrics_file.unlink()
+        if resume is not None:
+            self._load(Path(args.resume), resume)
+        (self.out_dir / "args.json").write_text(
+            json.dumps({"algo": algo, **dataclasses.asdict(args)}, indent=2, default=str)
+        )
+        self._metrics = (self.out_dir / "metrics.jsonl").open("a")
+
+    # ---------------------------------------------------------------- set-up helpers
+    def _env_kwargs(self, kwargs: dict[str, Any]) -> dict[str, Any]:
+        kw = dict(kwargs)
+        if self.args.max_episode_steps is not None:
+            kw.setdefault("max_episode_steps", int(self.args.max_episode_steps))
+        return kw
+
+    def _check_env(self) -> None:
+        import gymnasium as gym
+
+        import branchgym
+
+        try:
+            gym.spec(self.spec.id)
+        except gym.error.Error:
+            branchgym.make(self.spec.id)  # raises UnknownEnvError with "did you mean"
+        try:
+            env = self.spec.make()
+        except TypeError as exc:  # an env kwarg the env does not take, or of a wrong type
+            raise TrainingConfigError(
+                f"env_kwargs {self.args.env_kwargs!r} do not fit {self.spec.id}: {exc}. Use "
+                "the names and types of the env's constructor (its docstring lists them)."
+            ) from exc
+        try:
+            if not isinstance(env.action_space, gym.spaces.Text):
+                raise TrainingConfigError(
+                    f"{self.spec.id} takes {type(env.action_space).__name__} actions; LLM "
+                    "learners need text actions (use branchgym/TextTreeMDP-v0 for the maze)."
+                )
+        finally:
+            env.close()
+
+    def _frozen_copy(self, model: Any) -> Any:
+        ref = copy.deepcopy(model)
+        ref.eval()
+        for p in ref.parameters():
+            p.requires_grad_(False)
+        return ref
+
+    def load_frozen(self, name: str) -> Any:
+        """A frozen model (a teacher) on this run's device; its tokenizer must match."""
+        from branchgym.agents.models import load_model
+
+        with _quiet_transformers():
+            model, tok = load_model(name)
+        if tok.get_vocab() != self.tokenizer.get_vocab():
+            raise TrainingConfigError(
+                f"the teacher {name!r} has another tokenizer than the student "
+                f"{self.args.model!r}; on-policy distillation scores the student's tokens, so "
+                "both must share one vocabulary."
+            )
+        model = model.float().to(self.device)
+        return self._frozen_copy(model)
+
+    @contextlib.contextmanager
+    def autocast(self) -> Iterator[None]:
+        """bfloat16 autocast on CUDA (``precision='auto'``), nothing on CPU."""
+        if self.bf16:
+            with torch.autocast("cuda", dtype=torch.bfloat16):
+                yield
+        else:
+            yield
+
+    # ---------------------------------------------------------------- randomness
+    def rng(self, *key: int) -> np.random.Generator:
+        """A generator derived from ``(seed, step, *key)``: steps replay exactly on resume."""
+        return np.random.default_rng([self.args.seed, self.step, *key])
+
+    def prompt_seeds(self) -> list[int]:
+        """This step's task instances (reset seeds)."""
+        rng = self.rng(0x5EED)
+        return [int(s) for s in rng.integers(0, 2**31 - 1, size=self.args.prompts_per_step)]
+
+    # ---------------------------------------------------------------- log-probs
+    def logprobs(
+        self,
+        model: Any,
+        rows: Sequence[Row],
+        *,
+        logit_positions: Sequence[Sequence[int]] | None = None,
+    ) -> tuple[list[list[Tensor]], list[Tensor]]:
+        """Per row and decision, ``model``'s log-prob of each token (grad unless no_grad)."""
+        with self.autocast():
+            return self.kind.logprobs(
+                self.policy, model, rows, self.device, logit_positions=logit_positions
+            )
+
+    @torch.no_grad()
+    def frozen_logprobs(self, model: Any, batch: Batch, field: str) -> None:
+        """Fill ``decision.<field>`` (``ref_logp``, ``teacher_logp``) with ``model``'s log-probs."""
+        rows = [r for r in batch.rows if r.decisions]
+        step = max(1, self.args.micro_batch_rows or len(rows))
+        for i in range(0, len(rows), step):
+            part = rows[i : i + step]
+            lps, _ = self.logprobs(model, part)
+            for row, per in zip(part, lps, strict=True):
+                for d, lp in zip(row.decisions, per, strict=True):
+                    setattr(d, field, lp.float().cpu().numpy())
+
+    # ---------------------------------------------------------------- updates
+    def chunks(self, batch: Batch, rows: Sequence[int]) -> list[list[int]]:
+        """Split rows for gradient accumulation (``micro_batch_rows``), keeping groups whole."""
+        size = self.args.micro_batch_rows
+        if not size:
+            return [list(rows)]
+        out: list[list[int]] = [[]]
+        last_group = None
+        for r in rows:
+            g = batch.rows[r].group
+            if len(out[-1]) >= size and g != last_group:
+                out.append([])
+            out[-1].append(r)
+            last_group = g
+        return [c for c in out if c]
+
+    def update(
+        self,
+        batch: Batch,
+        rows: Sequence[int],
+        loss_fn: Callable[[Chunk], tuple[Tensor, dict[str, float]]],
+        *,
+        weight: Callable[[Batch, list[int]], float] | None = None,
+        logit_positions: Callable[[Row], list[int]] | None = None,
+    ) -> dict[str, float]:
+        """One optimizer update on ``rows``: loss, backward (accumulated over chunks), step.
+
+        Args:
+            batch: The rollout batch.
+            rows: Rows of this mini-batch.
+            loss_fn: ``chunk -> (loss, metrics)``, the learner's loss on some rows.
+            weight: How much of the full loss a chunk carries (its share of the loss's
+                normaliser: counted tokens for a token mean, the default); it makes
+                gradient accumulation equal to one pass over all rows.
+            logit_positions: Row sequence positions whose full logits the loss needs.
+
+        Returns:
+            The loss metrics (share-weighted over chunks) and ``grad/*``.
+        """
+        weight = weight or token_weight
+        chunks = self.chunks(batch, rows)
+        weights = [float(weight(batch, c)) for c in chunks]
+        total = sum(weights)
+        self.optimizer.zero_grad(set_to_none=True)
+        metrics: dict[str, float] = {}
+        if total <= 0:
+            return {"update/skipped": 1.0}
+        for c, w in zip(chunks, weights, strict=True):
+            if w <= 0:
+                continue
+            share = w / total
+            rws = [batch.rows[r] for r in c]
+            positions = [logit_positions(r) for r in rws] if logit_positions else None
+            lps, logits = self.logprobs(self.model, rws, logit_positions=positions)
+            ch = batch.chunk(c, lps, self.device)
+            if positions is not None:
+                ch.logits = torch.cat(logits) if logits else None
+            loss, m = loss_fn(ch)
+            (loss * share).backward()
+            for k, v in m.items():
+                metrics[k] = metrics.get(k, 0.0) + share * float(v)
+        params = [p for p in self.model.parameters() if p.requires_grad]
+        max_norm = self.args.grad_clip if self.args.grad_clip > 0 else float("inf")
+        norm = float(torch.nn.utils.clip_grad_norm_(params, max_norm))
+        self.optimizer.step()
+        # the engine's prefix KV cache holds activations of the old weights
+        self.engine.clear_cache()
+        self.grad_norm.add(norm)
+        metrics.update(
+            {
+                "grad/norm": norm,
+                "grad/norm_mean": self.grad_norm.mean,
+                "grad/norm_var": self.grad_norm.var,
+                "update/skipped": 0.0,
+            }
+        )
+        return metrics
+
+    def updates(
+        self,
+        batch: Batch,
+        loss_fn: Callable[[Chunk], tuple[Tensor, dict[str, float]]],
+        **kwargs: Any,
+    ) -> dict[str, float]:
+        """``updates_per_batch`` updates over the batch's mini-batches; metrics averaged."""
+        out: dict[str, list[float]] = {}
+        for rows in batch.minibatches(self.args.updates_per_batch):
+            for k, v in self.update(batch, rows, loss_fn, **kwargs).items():
+                out.setdefault(k, []).append(v)
+        merged = {k: float(np.mean(v)) for k, v in out.items()}
+        for key in ("grad/norm_mean", "grad/norm_var"):  # running statistics: the last value
+            if key in out:
+                merged[key] = out[key][-1]
+        merged["update/count"] = float(len(batch.minibatches(self.args.updates_per_batch)))
+        return merged
+
+    # ---------------------------------------------------------------- the loop
+    def loop(self) -> Iterator[int]:
+        """Yield each step to run; after each, log, evaluate and checkpoint as configured."""
+        from tqdm import tqdm
+
+        a = self.args
+        if a.eval_episodes and self.step == 0:
+            self.eval_start = self.evaluate()
+            self.log_line({"step": 0, **self.eval_start.metrics()})
+        bar = tqdm(
+            total=a.steps, initial=self.step, desc=self.algo, disable=not a.progress, leave=False
+        )
+        stop: dict[str, str] = {}
+        restore_handlers = stop_on_signals(stop)
+        try:
+            while self.step < a.steps:
+                self._pending = {}
+                self._t0 = time.perf_counter()
+                yield self.step
+                with warnings.catch_warnings():
+                    # a step whose batch had nothing to learn skips optimizer.step(); the
+                    # schedule still counts it, which torch would warn about
+                    warnings.filterwarnings("ignore", message=".*lr_scheduler.step.*")
+                    self.scheduler.step()
+                self.step += 1
+                line = {"step": self.step, "charts/lr": self.optimizer.param_groups[0]["lr"]}
+                line.update(self._pending)
+                line["time/step_s"] = time.perf_counter() - self._t0
+                if a.eval_episodes and a.eval_every and self.step % a.eval_every == 0:
+                    line.update(self.evaluate().metrics())
+                self.log_line(line)
+                bar.update(1)
+                bar.set_postfix(
+                    {k.split("/")[-1]: f"{line[k]:.3f}" for k in _BAR_KEYS if k in line}
+                )
+                if a.checkpoint_every and self.step % a.checkpoint_every == 0:
+                    self.save()
+                if stop:  # SIGINT/SIGTERM: stop at this step boundary, with a checkpoint
+                    path = self._save_once()
+                    raise KeyboardInterrupt(
+                        f"{stop['signal']}: stopped after step {self.step}; resume with "
+                        f"resume={path}"
+                    )
+        except KeyboardInterrupt:
+            raise
+        except BaseException:
+            # Whatever failed, keep what was learned: a checkpoint of the last completed
+            # step (named -crash: the failed step's update may be in it), unless the model
+            # diverged (check_finite refuses it) or one was just written.
+            done = self.last_checkpoint is not None and self.last_checkpoint.name == (
+                f"checkpoint-{self.step:06d}"
+            )
+            if self.step and not done:
+                try:
+                    self.save(self.out_dir / f"checkpoint-{self.step:06d}-crash")
+                except Exception as save_exc:  # noqa: BLE001 - the original error matters
+                    warnings.warn(f"no crash checkpoint: {save_exc}", stacklevel=2)
+            raise
+        finally:
+            restore_handlers()
+            bar.close()
+        if a.eval_episodes:
+            self.eval_end = self.evaluate()
+            self.log_line({"step": self.step, **self.eval_end.metrics()})
+        if self.last_checkpoint is None or not self.last_checkpoint.name.endswith(
+            f"{self.step:06d}"
+        ):
+            self.save()
+
+    def _save_once(self) -> Path:
+        """The checkpoint of the current step (written now unless it already is)."""
+        name = f"checkpoint-{self.step:06d}"
+        if self.last_checkpoint is None or self.last_checkpoint.name != name:
+            return self.save()
+        return self.last_checkpoint
+
+    def log(self, metrics: dict[str, float]) -> None:
+        """Add metrics to the current step's line."""
+        self._pending.update({k: float(v) for k, v in metrics.items()})
+
+    def log_line(self, line: dict[str, float]) -> None:
+        """Write one JSONL line (and keep it in :attr:`history`)."""
+        clean = {k: (float(v) if k != "step" else int(v)) for k, v in line.items()}
+        self.history.append(clean)
+        self._metrics.write(json.dumps(clean) + "\n")
+        self._metrics.flush()
+
+    def evaluate(self) -> EvalResult:
+        """Success on the fixed evaluation set (and the exact value where computable)."""
+        return evaluate(
+            self.spec,
+            self.behaviour,
+            episodes=self.args.eval_episodes,
+            seed=self.args.eval_seed,
+            executor=self.executor,
+            max_steps=self.args.max_episode_steps,
+            success_threshold=self.args.success_threshold,
+        )
+
+    # ---------------------------------------------------------------- checkpoints
+    def save(self, folder: str | Path | None = None) -> Path:
+        """Write a checkpoint: HF model folder + optimizer (safetensors) + trainer state."""
+        from safetensors.torch import save_file, save_model
+
+        out = Path(folder) if folder else self.out_dir / f"checkpoint-{self.step:06d}"
+        # Never write a diverged model: it would be resumed, and saved again, as if sound.
+        check_finite(f"cannot save step {self.step}", self.model.named_parameters())
+        tmp = out.with_name(out.name + ".partial")
+        if tmp.exists():
+            import shutil
+
+            shutil.rmtree(tmp)
+        tmp.mkdir(parents=True)
+        with _quiet_transformers():
+            self.model.save_pretrained(tmp, safe_serialization=True)
+            self.tokenizer.save_pretrained(tmp)
+        tensors, opt_meta = optimizer_tensors(self.optimizer)
+        check_finite(f"cannot save step {self.step}: optimizer state", tensors)
+        save_file(tensors, str(tmp / "optimizer.safetensors"))
+        if self.ref is not None:
+            save_model(self.ref, str(tmp / "ref.safetensors"))
+        state = {
+            "version": CHECKPOINT_VERSION,
+            "algo": self.algo,
+            "step": self.step,
+            "args": dataclasses.asdict(self.args),
+            "optimizer": opt_meta,
+            "scheduler": self.scheduler.state_dict(),
+            "grad_norm": dataclasses.asdict(self.grad_norm),
+            "torch_rng": torch.get_rng_state().tolist(),
+            "policy": self.kind.name,
+            "files": file_digests(tmp),  # checked on load: damage is refused, not resumed
+        }
+        (tmp / "trainer_state.json").write_text(json.dumps(state, default=json_default))
+        # fsync, then swap: a crash never leaves a half-written checkpoint under the
+        # final name, and never deletes the previous one before the new one is whole.
+        write_atomically(tmp, out)
+        self.last_checkpoint = out
+        return out
+
+    def _load(self, folder: Path, state: dict[str, Any]) -> None:
+        from safetensors.torch import load_file, load_model
+
+        try:
+            tensors = load_file(str(folder / "optimizer.safetensors"))
+            self.optimizer.load_state_dict(optimizer_state(tensors, state["optimizer"]))
+            self.scheduler.load_state_dict(state["scheduler"])
+            if self.ref is not None:
+                ref_file = folder / "ref.safetensors"
+                if not ref_file.is_file():
+                    raise CheckpointError(
+                        f"{folder} has no ref.safetensors, but this run has a KL term; resume "
+                        "with the options the checkpoint was made with."
+                    )
+                load_model(self.ref, str(ref_file), device=str(self.device))
+        except (OSError, KeyError, ValueError, RuntimeError) as exc:
+            if isinstance(exc, CheckpointError):
+                raise
+            raise CheckpointError(
+                f"cannot resume from {folder}: {type(exc).__name__}: {exc}. The checkpoint is "
+                "damaged or was written for another model or optimizer."
+            ) from exc
+        if state.get("policy") not in (None, self.kind.name):
+            raise CheckpointError(
+                f"{folder} was trained with policy={state['policy']!r}; resume with the same."
+            )
+        check_finite(f"cannot resume from {folder}", self.model.named_parameters())
+        check_finite(f"cannot resume from {folder}: optimizer state", tensors)
+        self.step = int(state["step"])
+        self.grad_norm = RunningStats(**state["grad_norm"])
+        torch.set_rng_state(torch.tensor(state["torch_rng"], dtype=torch.uint8))
+        self._continue_metrics(self.step)
+
+    def _continue_metrics(self, step: int) -> None:
+        """Resuming into the run's own folder: its log keeps lines up to ``step`` only."""
+        self.history = truncate_metrics(self.out_dir / "metrics.jsonl", step)
+
+    def close(self) -> TrainResult:
+        """Close the logs, draw the curves, shut the executor down; the run's result."""
+        self._metrics.close()
+        self.executor.shutdown()
+        plot_curves(self.history, self.out_dir / "curves.png", title=self.algo)
+        return TrainResult(
+            self.out_dir, self.last_checkpoint, self.history, self.eval_start, self.eval_end
+        )
+
+
+_BAR_KEYS = ("charts/success", "charts/return", "losses/policy_loss", "eval/success")
