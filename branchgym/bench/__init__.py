@@ -45,6 +45,10 @@ STUDIES: dict[str, tuple[str, str]] = {
         "branchgym.bench.all_learners",
         "the reference learners at matched compute on TextTreeMDP: exact success by step",
     ),
+    "gradient-noise": (
+        "branchgym.bench.gradient_noise",
+        "each learner's gradient-estimator noise at a frozen policy: NSR, split-half cosine",
+    ),
 }
 
 __all__ = ["STUDIES"]

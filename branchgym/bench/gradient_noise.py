@@ -1,0 +1,286 @@
+"""``branchgym bench gradient-noise``: each learner's gradient-estimator noise at a frozen policy.
+
+``bench learning``'s "gradient-norm variance ratio" is Var(|g|) over training windows of
+a moving policy: it mixes policy drift, the advantages' scale and degenerate groups,
+and is no measure of how noisy an estimator is. This study measures that directly:
+
+* freeze one policy: the tiny random Qwen2 with the scoring policy (``bench learning``'s
+  starting point), optionally after ``--train-steps`` updates of ``--train-algo``, or
+  the weights of a saved run (``--checkpoint``);
+* for each learner (``grpo``, ``rloo``, ``bpo`` with ``bench learning``'s options;
+  ``--learners`` takes any, with options: ``bpo:lam=0.9,tail=zero``), draw
+  ``--batches`` independent batches by running the learner's own training step with the
+  optimizer step replaced by a gradient read-out
+  (:func:`branchgym.agents.gradient_probe.probe_learner`): its own rollouts and
+  advantages (eq. 4/5 via ``tree_advantages`` for Branching PO, ``group_advantages``
+  for GRPO/RLOO), its aggregation, ratio 1 and beta 0;
+* flatten each batch's surrogate gradient over all trainable parameters (no projection;
+  only running sums are kept) and report tr Cov / |mean|^2 (noise-to-signal, NSR), the
+  cosine between the means of two independent halves of the batches, and the signal
+  corrected for the noise in the mean (|mean|^2 - tr Cov / n), at matched rollouts
+  (every learner: N = 7 rollouts per prompt) and at matched tokens (NSR x tokens per
+  batch / the reference learner's tokens per batch: the NSR it would have if its batches
+  cost the reference's tokens, since NSR scales as 1 / batch size).
+
+This study measures and prints; it asserts nothing.
+"""
+
+from __future__ import annotations
+
+import argparse
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from tqdm import tqdm
+
+from branchgym.bench.common import Report, positive_int, seed_int
+from branchgym.bench.runs import CI_MAZE, STUDY_MAZE
+
+__all__ = ["DEFAULT_LEARNERS", "LEARNER_DEFAULTS", "configure", "main", "measure", "table_rows"]
+
+#: The learners compared by default (labels; options may follow a colon).
+DEFAULT_LEARNERS = ("grpo", "rloo", "bpo")
+
+#: Options each algorithm gets unless the label overrides them: bench learning's main
+#: comparison (N = 7 rollouts per prompt for everyone; BPO M = 2, K = 4).
+LEARNER_DEFAULTS: dict[str, dict[str, Any]] = {
+    "bpo": {"m": 2, "k": 4, "gap_unit": "steps"},
+    "grpo": {"n": 7},
+    "rloo": {"n": 7},
+}
+
+HEAD = [
+    "learner",
+    "batches",
+    "rollouts/batch",
+    "tokens/batch",
+    "NSR (matched rollouts)",
+    "NSR halves A / B",
+    "NSR corrected",
+    "cosine (half vs half)",
+    "signal ‖m‖² − trC/n",
+    "NSR (matched tokens)",
+    "Var‖g‖ (fixed policy)",
+]
+
+
+def measure(
+    learners: list[str],
+    batches: int,
+    *,
+    reference: str | None = None,
+    progress: bool = True,
+    desc: str = "gradient-noise",
+    **options: Any,
+) -> dict[str, dict[str, float]]:
+    """Per learner label, :meth:`NoiseStats.summary` plus ``nsr_tokens`` and ``seconds``.
+
+    ``options`` go to every learner (env, model, prompts per step, seed, threads, ...);
+    a label's own options (after a colon) and :data:`LEARNER_DEFAULTS` come first.
+    ``nsr_tokens`` = NSR x tokens per batch / the ``reference`` learner's tokens per
+    batch (default: the first learner).
+    """
+    from branchgym.agents.gradient_probe import NoiseStats, parse_learner, probe_learner
+
+    parsed = [parse_learner(s) for s in learners]
+    out: dict[str, dict[str, float]] = {}
+    with tqdm(total=batches * len(parsed), desc=desc, unit="batch", disable=not progress) as bar:
+        for label, algo, own in parsed:
+            stats = NoiseStats()
+
+            def on_batch(bg: Any, stats: Any = stats) -> None:
+                stats.add(bg.grad, bg.tokens, bg.rollouts)
+                bar.update(1)
+
+            t0 = time.perf_counter()
+            opts = {**LEARNER_DEFAULTS.get(algo, {}), **options, **own}
+            probe_learner(algo, batches, on_batch=on_batch, **opts)
+            s = stats.summary()
+            s["seconds"] = time.perf_counter() - t0
+            out[label] = s
+    ref = reference if reference in out else next(iter(out))
+    ref_tokens = out[ref]["tokens_per_batch"]
+    for s in out.values():
+        s["nsr_tokens"] = s["nsr"] * s["tokens_per_batch"] / ref_tokens if ref_tokens else np.nan
+        s["reference_tokens"] = ref_tokens
+    return out
+
+
+def table_rows(results: dict[str, dict[str, float]]) -> list[list[Any]]:
+    """One row of :data:`HEAD` per learner."""
+    return [
+        [
+            label,
+            int(s["batches"]),
+            f"{s['rollouts_per_batch']:.1f}",
+            f"{s['tokens_per_batch']:.0f}",
+            f"{s['nsr']:.3f}",
+            f"{s['nsr_a']:.3f} / {s['nsr_b']:.3f}",
+            f"{s['nsr_corrected']:.3f}",
+            f"{s['cosine']:.3f}",
+            f"{s['signal']:.4g}",
+            f"{s['nsr_tokens']:.3f}",
+            f"{s['norm_var']:.4g}",
+        ]
+        for label, s in results.items()
+    ]
+
+
+def configure(parser: argparse.ArgumentParser) -> None:
+    """Add this study's options."""
+    parser.add_argument("--out", default="results", help="results folder (default: results)")
+    parser.add_argument(
+        "--learners",
+        nargs="+",
+        default=list(DEFAULT_LEARNERS),
+        help="learners, each optionally with options: grpo rloo bpo 'bpo:lam=0.9,tail=zero'",
+    )
+    parser.add_argument(
+        "--batches", type=positive_int, default=150, help="independent batches per learner (150)"
+    )
+    parser.add_argument("--prompts", type=positive_int, default=4, help="prompts per batch (4)")
+    parser.add_argument("--seed", type=seed_int, default=0, help="first seed of the draws (0)")
+    parser.add_argument(
+        "--reference",
+        default=None,
+        help="learner whose tokens per batch the matched-token NSR uses (first learner)",
+    )
+    parser.add_argument(
+        "--checkpoint", default=None, help="freeze these weights (a run's checkpoint folder)"
+    )
+    parser.add_argument(
+        "--train-steps",
+        type=int,
+        default=0,
+        help="train this many updates before freezing (0: the random tiny model)",
+    )
+    parser.add_argument("--train-algo", default="grpo", help="learner of those updates (grpo)")
+    parser.add_argument("--lr", type=float, default=1e-4, help="their learning rate (1e-4)")
+    parser.add_argument("--threads", type=positive_int, default=1, help="torch CPU threads")
+    parser.add_argument(
+        "--quick", action="store_true", help="CI: the depth-3 maze, 6 batches of 2 prompts"
+    )
+
+
+def _frozen_model(args: argparse.Namespace, maze: dict[str, Any], folder: Path) -> str:
+    """The model to freeze: a checkpoint, the random tiny model, or it after a few updates."""
+    if args.checkpoint:
+        return str(args.checkpoint)
+    if args.train_steps <= 0:
+        return "tiny"
+    from branchgym.bench.runs import run_learner
+
+    algo = args.train_algo.partition(":")[0]
+    opts = {**LEARNER_DEFAULTS.get(algo, {})}
+    run = run_learner(
+        algo,
+        args.seed,
+        folder,
+        label="warmup",
+        env_kwargs=maze,
+        steps=args.train_steps,
+        prompts_per_step=args.prompts,
+        lr=args.lr,
+        threads=args.threads,
+        **opts,
+    )
+    if run.checkpoint is None:
+        raise RuntimeError("the warm-up run wrote no checkpoint")
+    return str(run.checkpoint)
+
+
+def main(args: argparse.Namespace) -> int:
+    """Measure each learner's estimator noise; write ``gradient_noise.md``, PNG and JSON."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    maze = STUDY_MAZE
+    if args.quick:
+        maze = CI_MAZE
+        args.batches, args.prompts = min(args.batches, 6), min(args.prompts, 2)
+    t0 = time.perf_counter()
+    with tempfile.TemporaryDirectory(prefix="bench_gradient_noise_") as tmp:
+        model = _frozen_model(args, maze, Path(tmp))
+        if args.checkpoint:
+            frozen = f"the weights of {args.checkpoint}"
+        elif args.train_steps > 0:
+            frozen = (
+                f"the tiny random Qwen2 after {args.train_steps} {args.train_algo} updates "
+                f"(lr {args.lr}, {args.prompts} prompts each, seed {args.seed})"
+            )
+        else:
+            frozen = "the tiny random Qwen2 at initialisation (bench learning's start)"
+        results = measure(
+            list(args.learners),
+            args.batches,
+            reference=args.reference,
+            env_kwargs=maze,
+            model=model,
+            policy="scoring",
+            prompts_per_step=args.prompts,
+            seed=args.seed,
+            threads=args.threads,
+        )
+    wall = time.perf_counter() - t0
+    ref = args.reference if args.reference in results else next(iter(results))
+    report = Report(args.out, "gradient_noise", "branchgym bench gradient-noise")
+    report.add(
+        f"Setup: TextTreeMDP {maze}, {frozen}, scoring policy, frozen (no optimizer step). "
+        f"Per learner {args.batches} independent batches of {args.prompts} prompts (each "
+        "batch: the learner's own rollouts and advantages, its aggregation, ratio 1, "
+        "beta 0). Gradient: the surrogate policy gradient flattened over all trainable "
+        "parameters (no projection). NSR = tr Cov / |mean|^2 per batch; *halves A / B*: the "
+        "same from the even and from the odd batches alone; *corrected*: tr Cov / (|mean|^2 "
+        "- tr Cov / n); *cosine*: between the mean of the even and of the odd batches; "
+        f"*matched tokens*: NSR x tokens per batch / {ref}'s tokens per batch. Var‖g‖ is "
+        "the variance of the gradient norm over batches at this fixed policy (the quantity "
+        f"bench learning reports over a moving policy). Wall time {wall:.0f} s."
+    )
+    print(report.table(HEAD, table_rows(results)))
+    lines = []
+    for label, s in results.items():
+        if label == ref:
+            continue
+        r = results[ref]
+        lines.append(
+            f"{label} / {ref}: NSR at matched rollouts {s['nsr'] / r['nsr']:.2f}, at matched "
+            f"tokens {s['nsr_tokens'] / r['nsr_tokens']:.2f}"
+        )
+    for line in lines:
+        print(line)
+        report.add(f"- {line}")
+    print(f"gradient-noise: {wall:.0f} s")
+
+    labels = list(results)
+    x = np.arange(len(labels))
+    fig, axes = plt.subplots(1, 2, figsize=(10, 3.6))
+    axes[0].bar(x - 0.2, [results[k]["nsr"] for k in labels], 0.4, label="matched rollouts")
+    axes[0].bar(x + 0.2, [results[k]["nsr_tokens"] for k in labels], 0.4, label="matched tokens")
+    axes[0].set_xticks(x, labels, fontsize=8)
+    axes[0].set_ylabel("noise-to-signal tr Cov / |mean|^2")
+    axes[0].set_title(f"per batch of {args.prompts} prompts")
+    axes[0].legend(fontsize=8)
+    axes[1].bar(x, [results[k]["cosine"] for k in labels], color="tab:green")
+    axes[1].set_xticks(x, labels, fontsize=8)
+    axes[1].set_ylim(min(0.0, min(results[k]["cosine"] for k in labels)), 1.0)
+    axes[1].set_ylabel("cosine, mean of half A vs half B")
+    axes[1].set_title(f"{args.batches // 2} + {args.batches - args.batches // 2} batches")
+    report.figure(
+        fig, "nsr", "Estimator noise at a frozen policy, per learner (lower NSR: less noise)"
+    )
+    report.data = {
+        "args": vars(args),
+        "maze": maze,
+        "frozen": frozen,
+        "reference": ref,
+        "wall_s": wall,
+        "results": results,
+    }
+    path = report.save()
+    print(f"report: {path}")
+    return 0
