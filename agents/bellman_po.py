@@ -139,7 +139,8 @@ def main(args: Args, algo: str = "bellman_po") -> TrainResult:
         batch = Batch(trees, success_threshold=args.success_threshold)
         # 2. the advantages (the loss recomputes them from the rewards; here for logging)
         rewards = torch.tensor(np.stack([t.returns() for t in trees]))
-        adv, degenerate = losses.grpo_advantages(rewards)
+        valid = torch.tensor(np.stack([t.valid_paths() for t in trees]))  # sandbox errors out
+        adv, degenerate = losses.grpo_advantages(rewards, mask=valid)
         skipped = {g: bool(degenerate[g]) for g in range(len(trees))}
 
         # 3. the omega-weighted loss over G rows per group, several updates

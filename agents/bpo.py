@@ -130,11 +130,6 @@ class Args(TrainArgs):
         require_one_of("env_noise", self.env_noise, ("fresh", "shared"))
 
 
-def _valid_sibling(tree: RolloutTree, node: int) -> bool:
-    """A sibling's return counts unless its line hit a sandbox error."""
-    return all(tree[n].error is None for n in tree.main_line(node))
-
-
 def tree_advantages(
     tree: RolloutTree, lam: float = 0.95, tail: str = "last"
 ) -> tuple[dict[int, float], int, int]:
@@ -153,7 +148,7 @@ def tree_advantages(
     degenerate = 0
     for bp in bps:
         returns = torch.tensor(bp.returns, dtype=torch.float64)
-        valid = torch.tensor([_valid_sibling(tree, s) for s in bp.siblings])
+        valid = torch.tensor([tree.line_valid(s) for s in bp.siblings])  # errors left out
         a = losses.sibling_advantages(returns, mask=valid)
         degenerate += int(bool((a == 0).all()))
         local.append(a)
@@ -176,7 +171,8 @@ def tree_advantages(
 def _fallback_advantages(trees: Sequence[RolloutTree]) -> tuple[list[dict[int, float]], int]:
     """RLOO over the independent backbones of each prompt (K = 1 ablation)."""
     returns = torch.tensor(np.stack([t.returns() for t in trees]))
-    adv, degenerate = losses.rloo_advantages(returns)
+    valid = torch.tensor(np.stack([t.valid_paths() for t in trees]))
+    adv, degenerate = losses.rloo_advantages(returns, mask=valid)  # failed rollouts left out
     out = []
     for ti, t in enumerate(trees):
         by_node = {}

@@ -112,9 +112,14 @@ def loss(args: Args, c: Chunk) -> tuple[torch.Tensor, dict[str, float]]:
 
 
 def group_advantages(args: Args, trees: Sequence[RolloutTree]) -> losses.GroupAdvantages:
-    """GRPO/RLOO advantages of each prompt's N rollouts, ``(P, N)`` in leaf order."""
+    """GRPO/RLOO advantages of each prompt's N rollouts, ``(P, N)`` in leaf order.
+
+    A rollout whose sandbox failed (crash, timeout, not run: ``RolloutTree.valid_paths``)
+    is left out of its group's statistics and gets advantage 0.
+    """
     returns = np.stack([t.returns() for t in trees])
-    return ADVANTAGES[args.advantage](torch.as_tensor(returns))
+    valid = np.stack([t.valid_paths() for t in trees])
+    return ADVANTAGES[args.advantage](torch.as_tensor(returns), mask=torch.as_tensor(valid))
 
 
 def main(args: Args, algo: str | None = None) -> TrainResult:

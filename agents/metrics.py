@@ -73,6 +73,9 @@ def rollout_metrics(batch: Batch) -> dict[str, float]:
         "env/steps": float(env_steps),
         "env/step_ms": 1000.0 * sum(s.env_s for s in stats) / max(env_steps, 1),
         "env/errors": float(sum(s.errors for s in stats)),
+        # rollouts left out of every advantage group (eq. 4, group baselines): a sandbox
+        # error anywhere on them, or never run
+        "groups/invalid_rollouts": float(sum(int((~t.valid_paths()).sum()) for t in trees)),
         "tokens/generated": float(sum(s.generated_tokens for s in stats)),
         "tokens/independent": float(sum(s.independent_tokens for s in stats)),
         "tokens/per_second": sum(s.generated_tokens for s in stats) / gen_s if gen_s else 0.0,

@@ -409,6 +409,22 @@ class RolloutTree:
         """The return of every rollout (path), in :meth:`paths` order."""
         return np.array([self.path_returns_to_go(p)[0] if p else 0.0 for p in self.paths()])
 
+    def line_valid(self, node: int) -> bool:
+        """Whether ``node``'s line (it and its ``k = 1`` continuation) ran without error.
+
+        A crashed, timed-out or never-run line has no return to compare.
+        """
+        return all(self.nodes[n].error is None for n in self.main_line(node))
+
+    def valid_paths(self) -> np.ndarray:
+        """One flag per rollout, in :meth:`paths` order: False where a node hit an error.
+
+        Errors are sandbox failures (crash, timeout, failed restore, not run). Learners
+        leave those rollouts out of their advantage groups (eq. 4, the group baselines).
+        """
+        paths = self.paths()
+        return np.array([all(self.nodes[n].error is None for n in p) for p in paths], bool)
+
     # ------------------------------------------------------------------ branching
     def branch_points(self) -> list[BranchPoint]:
         """Every state with more than one decision under it, shallowest first.

@@ -1,4 +1,4 @@
-"""Deprecated alias: this module is now :mod:`branchgym.bench.all_learners` (a name that says what it holds).
+"""Deprecated alias of :mod:`branchgym.bench.all_learners` (its new name).
 
 Importing a name from here still works for one release (loaded on first access) but warns.
 """

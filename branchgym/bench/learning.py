@@ -1,4 +1,4 @@
-"""Deprecated alias: this module is now :mod:`branchgym.bench.bpo_vs_grpo` (a name that says what it holds).
+"""Deprecated alias of :mod:`branchgym.bench.bpo_vs_grpo` (its new name).
 
 Importing a name from here still works for one release (loaded on first access) but warns.
 """

@@ -24,13 +24,11 @@ from branchgym.agents import (  # noqa: E402
     losses,
     pbr,
     sft,
-    training,
 )
+from branchgym.agents import run as training  # noqa: E402
 from branchgym.agents.engines.hf import HFEngine  # noqa: E402
 from branchgym.agents.models import load_model, tiny_qwen2  # noqa: E402
 from branchgym.agents.policy import ActRequest, Context, LLMPolicy, Policy  # noqa: E402
-from branchgym.agents.scoring import ScoringPolicy, trie_logprobs  # noqa: E402
-from branchgym.agents.train import LEARNERS, make_args, train  # noqa: E402
 from branchgym.agents.run import (  # noqa: E402
     POLICIES,
     Batch,
@@ -38,6 +36,8 @@ from branchgym.agents.run import (  # noqa: E402
     args_from_dict,
     field_docs,
 )
+from branchgym.agents.scoring import ScoringPolicy, trie_logprobs  # noqa: E402
+from branchgym.agents.train import LEARNERS, make_args, train  # noqa: E402
 
 from branchgym.cli import main as cli_main  # noqa: E402
 from branchgym.error import (  # noqa: E402
