@@ -28,6 +28,7 @@ This study measures and prints; it asserts nothing.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import tempfile
 import time
 from pathlib import Path
@@ -38,8 +39,21 @@ from tqdm import tqdm
 
 from branchgym.bench.common import Report, positive_int, seed_int
 from branchgym.bench.runs import CI_MAZE, STUDY_MAZE
+from branchgym.bench.variance import PAYS_BELOW
 
-__all__ = ["DEFAULT_LEARNERS", "LEARNER_DEFAULTS", "configure", "main", "measure", "table_rows"]
+__all__ = [
+    "DEFAULT_LEARNERS",
+    "LEARNER_DEFAULTS",
+    "NOISE_BATCHES",
+    "NOISE_PROMPTS",
+    "NOISIER_ABOVE",
+    "EstimatorNoise",
+    "configure",
+    "estimator_noise",
+    "main",
+    "measure",
+    "table_rows",
+]
 
 #: The learners compared by default (labels; options may follow a colon).
 DEFAULT_LEARNERS = ("grpo", "rloo", "bpo")
@@ -51,6 +65,123 @@ LEARNER_DEFAULTS: dict[str, dict[str, Any]] = {
     "grpo": {"n": 7},
     "rloo": {"n": 7},
 }
+
+#: Defaults of the estimator-noise figure of ``branchgym diagnose``: small, so that the
+#: command stays a quick check (the figure is rough: see its halves).
+NOISE_BATCHES = 8
+NOISE_PROMPTS = 2
+#: BPO/RLOO noise-to-signal at matched tokens above which branching costs more noise.
+NOISIER_ABOVE = 1.25
+
+
+@dataclasses.dataclass
+class EstimatorNoise:
+    """``branchgym diagnose``'s estimator-level figure: BPO vs RLOO at one frozen policy.
+
+    Attributes:
+        model: The frozen policy's model.
+        batches: Independent batches per learner.
+        prompts: Prompts per batch.
+        results: Per learner (``rloo``, ``bpo``), the summary of
+            :func:`branchgym.bench.gradient_noise.measure` (``nsr``, ``nsr_tokens``, ...).
+        error: Why there is no figure (e.g. the env does not take text actions).
+    """
+
+    model: str
+    batches: int
+    prompts: int
+    results: dict[str, dict[str, float]] = dataclasses.field(default_factory=dict)
+    error: str | None = None
+
+    @property
+    def ratio(self) -> float:
+        """BPO/RLOO noise-to-signal at matched tokens (nan without a figure)."""
+        if self.error or not self.results:
+            return float("nan")
+        b, r = self.results["bpo"]["nsr_tokens"], self.results["rloo"]["nsr_tokens"]
+        return b / r if r > 0 and np.isfinite(b) else float("nan")
+
+    def half_ratios(self) -> tuple[float, float]:
+        """The BPO/RLOO ratio from the even and from the odd batches alone (its spread)."""
+        if self.error or not self.results:
+            return float("nan"), float("nan")
+        b, r = self.results["bpo"], self.results["rloo"]
+        scale = b["tokens_per_batch"] / r["tokens_per_batch"]
+        return tuple(  # type: ignore[return-value]
+            b[k] * scale / r[k] if r[k] > 0 else float("nan") for k in ("nsr_a", "nsr_b")
+        )
+
+    @property
+    def verdict(self) -> str:
+        """One line from the estimator-level figure."""
+        if self.error:
+            return f"no estimator figure: {self.error}"
+        r = self.ratio
+        if not np.isfinite(r):
+            return "no verdict: a learner's mean gradient is zero (no signal at this policy)"
+        a, b = self.half_ratios()
+        sides = {x < 1.0 for x in (r, a, b) if np.isfinite(x)}
+        if len(sides) > 1:
+            return (
+                f"no clear verdict: BPO/RLOO noise-to-signal per token is {r:.2f}, but the two "
+                f"halves of the batches give {a:.2f} and {b:.2f}; rerun with more "
+                "--noise-batches"
+            )
+        if r < PAYS_BELOW:
+            return (
+                f"branching pays at matched compute: BPO's gradient noise-to-signal per "
+                f"token is {r:.2f}x RLOO's"
+            )
+        if r > NOISIER_ABOVE:
+            return (
+                f"branching does not pay at matched compute: BPO's gradient noise-to-signal "
+                f"per token is {r:.2f}x RLOO's (noisier)"
+            )
+        return (
+            f"branching about breaks even at matched compute: BPO's gradient "
+            f"noise-to-signal per token is {r:.2f}x RLOO's"
+        )
+
+
+def estimator_noise(
+    env_id: str,
+    env_kwargs: dict[str, Any] | None = None,
+    *,
+    model: str = "random",
+    batches: int = NOISE_BATCHES,
+    prompts: int = NOISE_PROMPTS,
+    seed: int = 0,
+    progress: bool = True,
+) -> EstimatorNoise:
+    """BPO vs RLOO gradient noise at the frozen policy ``model`` on ``env_id``.
+
+    Runs :func:`branchgym.bench.gradient_noise.measure` (each learner's own training step,
+    the surrogate gradient read out instead of an update; N = 7 rollouts per prompt for
+    both; BPO M = 2, K = 4, branch gap in steps). ``random`` and ``expert`` are not
+    models with gradients: the tiny random Qwen2 with the scoring policy stands in.
+    """
+    from branchgym.error import Error as BranchgymError
+
+    name = "tiny" if model in ("random", "expert") else model
+    out = EstimatorNoise(name, batches, prompts)
+    try:
+        out.results = measure(
+            ["rloo", "bpo"],
+            batches,
+            reference="rloo",
+            progress=progress,
+            desc=f"diagnose {env_id}: gradients",
+            env_id=env_id,
+            env_kwargs=dict(env_kwargs or {}),
+            model=name,
+            prompts_per_step=prompts,
+            seed=seed,
+            threads=1,
+        )
+    except (BranchgymError, ImportError, ValueError) as exc:
+        out.error = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+    return out
+
 
 HEAD = [
     "learner",

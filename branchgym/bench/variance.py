@@ -17,6 +17,14 @@ with one branch point at the middle of its backbone (schedule ``even``, M = 1) a
 K = 5 (the backbone plus 4 fresh completions). The backbones are the independent
 trajectories; the 4 fresh siblings give the within-snapshot variance (the backbone's own
 continuation is left out of it, since the midpoint was chosen knowing its length).
+
+The midpoint ratio is about returns; it is not the noise of the gradient either learner
+follows. ``branchgym diagnose`` therefore also reports an estimator-level figure
+(:func:`estimator_noise`): at the policy it diagnoses (the tiny random Qwen2 standing in
+for ``random``), a few independent batches of RLOO and of Branching PO, each learner's
+own surrogate policy gradient per batch, and the noise-to-signal ratio tr Cov / |mean|^2
+at matched tokens (``branchgym bench gradient-noise`` measures the same with hundreds of
+batches). Its verdict is stated from that figure.
 """
 
 from __future__ import annotations
@@ -401,6 +409,8 @@ def main(args: argparse.Namespace) -> int:
 
 def configure_diagnose(p: argparse.ArgumentParser) -> None:
     """Options of ``branchgym diagnose``."""
+    from branchgym.bench.gradient_noise import NOISE_BATCHES, NOISE_PROMPTS
+
     p.add_argument("env_id", help="a registered env id")
     p.add_argument("--model", default="random", help="random, tiny, smollm2 or a model folder")
     p.add_argument("--prompts", type=int, default=8)
@@ -408,6 +418,19 @@ def configure_diagnose(p: argparse.ArgumentParser) -> None:
     p.add_argument("--completions", type=int, default=4)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--env-kwargs", default="{}", help="gym.make kwargs as JSON")
+    p.add_argument(
+        "--noise-batches",
+        type=int,
+        default=NOISE_BATCHES,
+        help=f"batches per learner for the estimator-noise figure, BPO vs RLOO "
+        f"({NOISE_BATCHES}; 0 skips it)",
+    )
+    p.add_argument(
+        "--noise-prompts",
+        type=int,
+        default=NOISE_PROMPTS,
+        help=f"prompts per batch for the estimator-noise figure ({NOISE_PROMPTS})",
+    )
 
 
 def cmd_diagnose(args: argparse.Namespace) -> int:
@@ -450,4 +473,35 @@ def cmd_diagnose(args: argparse.Namespace) -> int:
     exact = "" if d.exact_ratio is None else f" (exact {d.exact_ratio:.3f})"
     print(f"  implied Var(A^BPO)/Var(A^GRPO)      {d.ratio:.3f} ± {d.ratio_se:.3f}{exact}")
     print(f"=> {d.verdict}")
+    if args.noise_batches < 2:
+        return 0
+    from branchgym.bench.gradient_noise import estimator_noise
+
+    n = estimator_noise(
+        args.env_id,
+        kwargs,
+        model=args.model,
+        batches=args.noise_batches,
+        prompts=args.noise_prompts,
+        seed=args.seed,
+    )
+    stand_in = " standing in for a policy without gradients" if n.model != args.model else ""
+    print(
+        f"estimator level ({n.model}{stand_in}, frozen; {n.batches} batches of {n.prompts} "
+        "prompts per learner, N = 7 rollouts per prompt; the midpoint ratio above is about "
+        "returns, this about gradients):"
+    )
+    for label, s in n.results.items():
+        print(
+            f"  {label:4s} NSR tr Cov/|mean|^2 {s['nsr']:.3f} (halves {s['nsr_a']:.2f} / "
+            f"{s['nsr_b']:.2f}), {s['tokens_per_batch']:.0f} tokens/batch, matched tokens "
+            f"{s['nsr_tokens']:.3f}"
+        )
+    if not n.error:
+        a, b = n.half_ratios()
+        print(
+            f"  noise-to-signal at matched tokens, BPO/RLOO  {n.ratio:.3f} "
+            f"(halves {a:.2f} / {b:.2f})"
+        )
+    print(f"=> estimator: {n.verdict}")
     return 0
