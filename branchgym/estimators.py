@@ -1,0 +1,715 @@
+"""Policy-gradient estimators on a TreeMDP, measured against the exact gradient.
+
+A tabular softmax policy (logits ``theta[s, a]``) on a :class:`~branchgym.envs.toy.TreeStructure`
+has the exact gradient of ``J = V(s_0)``
+
+    g*[s, a] = d(s) pi(a|s) (Q(s, a) - V(s))
+
+with ``d(s)`` the probability of visiting ``s`` (:func:`exact_gradient`). An estimator
+samples trajectories (here straight from the tree's arrays, vectorised over many
+independent repeats) and returns ``g = sum over counted pairs w * grad log pi(a|s)``,
+``grad log pi(a|s) = e_a - pi(s)``. :func:`measure` gives its mean, ``tr Cov`` and
+``E|g - g*|^2`` over many repeats, overall, by decision depth and for the decisions
+before the first branch point; :func:`estimate` gives one ``g`` per repeat (training).
+
+Estimators (:class:`Design`, docs/estimators.md derives each one):
+
+* ``rloo``/``grpo``: N independent rollouts, leave-one-out or mean/std-normalised
+  advantage, every decision of a trajectory gets its trajectory's advantage, ``1/N``.
+* Branching PO (docs/algorithms.md §1): G backbones (the spec: 1), M branch points each
+  chosen by a schedule (``entropy``, ``random``, ``even``, ``root_even``: the root plus
+  evenly spaced points, ``last``: the last M decisions, ``fixed``), K siblings per point
+  (the backbone's action is sibling 1). Credit (``credit=``): ``lambda`` (eq. 5, tail
+  ``last``), ``root`` (G >= 2: prefix decisions get a leave-one-out baseline among the
+  backbones, later ones the
+  comparison at the latest branch point at or above them), ``value_diff`` (backbone
+  decisions between two branch points get the mean of the K sibling returns at the next
+  point minus the baseline at the previous one). ``backbone="exclude"`` leaves the
+  backbone's own actions out of the comparison (they only serve in the fresh siblings'
+  baselines). ``norm="traj"`` divides by the number of leaves N (spec, RLOO); ``norm="depth"``
+  averages the pairs at each depth, which makes the estimator's mean exactly ``g*``
+  when the schedule does not look at the sampled trajectory.
+
+Trees must have every leaf at the same depth (as :meth:`TreeStructure.random` builds).
+
+The module is over 600 lines: the exact passes, the vectorised sampler of every design and
+the moment accumulation share one array layout, and are read and tested together.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import numpy as np
+
+from branchgym.envs.toy.tree_mdp import TreeStructure
+
+__all__ = [
+    "CREDITS",
+    "Design",
+    "Exact",
+    "Measurement",
+    "NORMS",
+    "SCHEDULES",
+    "TreeArrays",
+    "estimate",
+    "exact",
+    "exact_gradient",
+    "exact_j",
+    "fast_random_tree",
+    "measure",
+    "policy_snapshots",
+    "schedule_depths",
+    "softmax",
+]
+
+SCHEDULES = ("entropy", "random", "even", "root_even", "last", "fixed")
+CREDITS = ("lambda", "root", "value_diff")
+NORMS = ("traj", "depth")
+
+
+# ------------------------------------------------------------------------- trees
+
+
+def fast_random_tree(
+    *,
+    depth: int = 4,
+    n_actions: int = 3,
+    n_outcomes: int = 2,
+    transition_noise: float = 0.2,
+    reward_noise: float = 0.1,
+    reward_kind: str = "gaussian",
+    seed: int = 0,
+    depth_weights: Any = None,
+) -> TreeStructure:
+    """:meth:`TreeStructure.random` built with numpy (same tree for the same arguments).
+
+    ``depth_weights`` (length ``depth``) scales the edge qualities of each decision depth
+    before they add up to the leaf's mean: large late weights make the return resolved
+    late (Theorem 2's ``nu_t^2`` small until late), large early ones resolve it early.
+    ``None`` (all ones) reproduces :meth:`TreeStructure.random` exactly.
+    """
+    if depth < 1 or n_actions < 1 or n_outcomes < 1:
+        raise ValueError("depth, n_actions and n_outcomes must be >= 1")
+    b = n_actions * n_outcomes
+    n_nodes = sum(b**d for d in range(depth + 1))
+    if n_nodes > 4_000_000:
+        raise ValueError(f"tree would have {n_nodes} nodes; reduce depth or branching")
+    rng = np.random.default_rng(seed)
+    quality = rng.normal(size=(n_nodes, n_actions))
+    w = np.ones(depth) if depth_weights is None else np.asarray(depth_weights, dtype=float)
+    starts = np.concatenate([[0], np.cumsum([b**d for d in range(depth + 1)])])
+    node_depth = np.zeros(n_nodes, dtype=np.int32)
+    parent = np.full(n_nodes, -1, dtype=np.int64)
+    children = np.full((n_nodes, n_actions, n_outcomes), -1, dtype=np.int64)
+    probs = np.zeros((n_nodes, n_actions, n_outcomes))
+    path_q = np.zeros(n_nodes)
+    p = np.full(n_outcomes, transition_noise / n_outcomes)
+    p[0] += 1.0 - transition_noise
+    for d in range(depth):
+        inner = np.arange(starts[d], starts[d + 1])
+        kids = 1 + inner[:, None] * b + np.arange(b)[None, :]
+        children[inner] = kids.reshape(-1, n_actions, n_outcomes)
+        probs[inner] = p
+        flat = kids.reshape(-1)
+        node_depth[flat] = d + 1
+        parent[flat] = np.repeat(inner, b)
+        step_q = np.repeat(quality[inner] * w[d], n_outcomes, axis=1)
+        path_q[flat] = (path_q[inner][:, None] + step_q).reshape(-1)
+    leaves = node_depth == depth
+    scale = np.sqrt(depth) if depth_weights is None else np.sqrt(np.sum(w**2))
+    mean = np.where(leaves, 1.0 / (1.0 + np.exp(-2.0 * path_q / scale)), 0.0)
+    std = np.where(leaves, reward_noise if reward_kind == "gaussian" else 0.0, 0.0)
+    return TreeStructure(n_actions, node_depth, parent, children, probs, mean, std, reward_kind)
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class TreeArrays:
+    """A TreeStructure prepared for vectorised sampling and exact passes."""
+
+    tree: TreeStructure
+    depth: int
+    levels: tuple[np.ndarray, ...]  # node ids at each depth 0..D
+    cum_probs: np.ndarray  # (n_nodes, A, O) cumulative outcome probabilities
+    r1: np.ndarray  # E[reward] at leaves
+    r2: np.ndarray  # E[reward^2] at leaves
+
+    @classmethod
+    def of(cls, tree: TreeStructure) -> TreeArrays:
+        """Check every leaf sits at the maximum depth and precompute the arrays."""
+        d = tree.max_depth
+        leaf = tree.children[:, 0, 0] < 0
+        if np.any(tree.depth[leaf] != d):
+            raise ValueError("estimators need every leaf at the same depth (a full tree).")
+        levels = tuple(np.flatnonzero(tree.depth == t) for t in range(d + 1))
+        r1 = tree.reward_mean
+        r2 = r1 if tree.reward_kind == "bernoulli" else r1**2 + tree.reward_std**2
+        return cls(tree, d, levels, np.cumsum(tree.probs, axis=-1), r1, r2)
+
+    @property
+    def n_nodes(self) -> int:
+        """Number of nodes."""
+        return self.tree.n_nodes
+
+    @property
+    def n_actions(self) -> int:
+        """Actions per inner node."""
+        return self.tree.n_actions
+
+
+def softmax(theta: np.ndarray) -> np.ndarray:
+    """Row-wise softmax over the last axis."""
+    z = theta - theta.max(axis=-1, keepdims=True)
+    e = np.exp(z)
+    return e / e.sum(axis=-1, keepdims=True)
+
+
+# ------------------------------------------------------------------------- exact
+
+
+@dataclasses.dataclass(frozen=True)
+class Exact:
+    """Exact quantities of one policy: ``d(s)``, ``V``, ``Q``, ``Var(G|s)``, ``g*``, ``J``."""
+
+    reach: np.ndarray
+    v: np.ndarray
+    q: np.ndarray
+    var: np.ndarray
+    grad: np.ndarray
+
+    @property
+    def j(self) -> float:
+        """``J = V(s_0)``."""
+        return float(self.v[0])
+
+
+def exact(arr: TreeArrays, pi: np.ndarray) -> Exact:
+    """Backward pass for ``V, Q, E[G^2]``, forward pass for ``d(s)``; ``g* = d pi (Q - V)``."""
+    t = arr.tree
+    n, a_n = arr.n_nodes, arr.n_actions
+    v = np.zeros(n)
+    v2 = np.zeros(n)
+    q = np.zeros((n, a_n))
+    for d in range(arr.depth - 1, -1, -1):
+        s = arr.levels[d]
+        c = t.children[s]
+        g1 = arr.r1[c] + v[c]
+        g2 = arr.r2[c] + 2 * arr.r1[c] * v[c] + v2[c]
+        q[s] = np.sum(t.probs[s] * g1, axis=-1)
+        q2 = np.sum(t.probs[s] * g2, axis=-1)
+        v[s] = np.sum(pi[s] * q[s], axis=-1)
+        v2[s] = np.sum(pi[s] * q2, axis=-1)
+    leaf = arr.levels[arr.depth]
+    v_leaf_var = np.zeros(n)
+    v_leaf_var[leaf] = arr.r2[leaf] - arr.r1[leaf] ** 2
+    var = np.where(t.depth == arr.depth, v_leaf_var, np.maximum(v2 - v**2, 0.0))
+    reach = np.zeros(n)
+    reach[0] = 1.0
+    for d in range(arr.depth):
+        s = arr.levels[d]
+        flow = reach[s][:, None, None] * pi[s][:, :, None] * t.probs[s]
+        np.add.at(reach, t.children[s].reshape(-1), flow.reshape(-1))
+    grad = reach[:, None] * pi * (q - v[:, None])
+    grad[t.depth == arr.depth] = 0.0
+    return Exact(reach, v, q, var, grad)
+
+
+def exact_gradient(arr: TreeArrays, pi: np.ndarray) -> np.ndarray:
+    """``g*[s, a] = d(s) pi(a|s) (Q(s, a) - V(s))``, the gradient of ``J`` in the logits."""
+    return exact(arr, pi).grad
+
+
+def exact_j(arr: TreeArrays, pis: np.ndarray) -> np.ndarray:
+    """``J`` of a stack of policies ``(P, n_nodes, A)`` (one backward pass for all)."""
+    t = arr.tree
+    v = np.zeros((pis.shape[0], arr.n_nodes))
+    for d in range(arr.depth - 1, -1, -1):
+        s = arr.levels[d]
+        c = t.children[s]
+        q = np.sum(t.probs[s][None] * (arr.r1[c][None] + v[:, c]), axis=-1)
+        v[:, s] = np.sum(pis[:, s] * q, axis=-1)
+    return v[:, 0]
+
+
+def policy_snapshots(
+    arr: TreeArrays, fractions: tuple[float, ...] = (0.5, 0.9), lr: float = 5.0, steps: int = 4000
+) -> dict[str, np.ndarray]:
+    """Uniform policy plus snapshots of exact ascent at fractions of the way to optimal J.
+
+    A snapshot is taken when J first covers each fraction of the way from the uniform
+    policy's J to the optimal J.
+
+    The ascent is exact and visitation-normalised (``theta[s] += lr pi(a|s) A(s, a)``, the
+    gradient divided by ``d(s)``) so deep states learn as fast as shallow ones.
+    """
+    theta = np.zeros((arr.n_nodes, arr.n_actions))
+    j_u = exact(arr, softmax(theta)).j
+    j_opt = _optimal_j(arr)
+    out = {"uniform": softmax(theta)}
+    names = ["mid", "late", "late2", "late3"]
+    todo = list(fractions)
+    for _ in range(steps):
+        pi = softmax(theta)
+        e = exact(arr, pi)
+        while todo and e.j >= j_u + todo[0] * (j_opt - j_u):
+            out[names[len(out) - 1]] = pi
+            todo.pop(0)
+        if not todo:
+            break
+        theta = theta + lr * pi * (e.q - e.v[:, None])
+    for _ in todo:  # not reached within the budget: the last iterate
+        out[names[len(out) - 1]] = softmax(theta)
+    return out
+
+
+def _optimal_j(arr: TreeArrays) -> float:
+    t = arr.tree
+    v = np.zeros(arr.n_nodes)
+    for d in range(arr.depth - 1, -1, -1):
+        s = arr.levels[d]
+        c = t.children[s]
+        v[s] = np.max(np.sum(t.probs[s] * (arr.r1[c] + v[c]), axis=-1), axis=-1)
+    return float(v[0])
+
+
+# ------------------------------------------------------------------------- designs
+
+
+@dataclasses.dataclass(frozen=True)
+class Design:
+    """One estimator: the rollout topology and the credit each decision gets.
+
+    Attributes:
+        kind: ``rloo``, ``grpo`` (N independent rollouts) or ``tree`` (branching).
+        n: Rollouts of ``rloo``/``grpo``.
+        g: Backbones per prompt (tree).
+        m: Branch points per backbone.
+        k: Siblings per branch point, the backbone's action included.
+        schedule: One of :data:`SCHEDULES`.
+        depths: Branch depths of the ``fixed`` schedule.
+        lam: lambda of eq. 5 (``credit="lambda"``).
+        credit: One of :data:`CREDITS`.
+        backbone: ``include`` (spec) or ``exclude`` (the backbone's own actions get no
+            credit; fresh siblings still compare against its return).
+        norm: One of :data:`NORMS`.
+    """
+
+    kind: str = "tree"
+    n: int = 7
+    g: int = 1
+    m: int = 2
+    k: int = 4
+    schedule: str = "entropy"
+    depths: tuple[int, ...] = ()
+    lam: float = 0.95
+    credit: str = "lambda"
+    backbone: str = "include"
+    norm: str = "traj"
+
+    def __post_init__(self) -> None:
+        """Validate the combination."""
+        if self.kind not in ("rloo", "grpo", "tree"):
+            raise ValueError(f"kind must be rloo, grpo or tree; got {self.kind!r}")
+        if self.kind != "tree":
+            if self.n < 2:
+                raise ValueError("rloo/grpo need n >= 2 rollouts")
+            return
+        if self.schedule not in SCHEDULES or self.credit not in CREDITS or self.norm not in NORMS:
+            raise ValueError(f"unknown schedule, credit or norm in {self}")
+        if self.k < 2 or self.m < 1 or self.g < 1:
+            raise ValueError("a tree needs k >= 2, m >= 1 and g >= 1")
+        if self.credit == "root" and self.g < 2:
+            raise ValueError("credit='root' needs g >= 2 backbones")
+        if self.backbone not in ("include", "exclude"):
+            raise ValueError("backbone must be 'include' or 'exclude'")
+        if self.schedule == "fixed" and len(self.depths) != self.m:
+            raise ValueError("the fixed schedule needs m depths")
+
+    @property
+    def rollouts(self) -> int:
+        """Leaves per prompt: N, or G (1 + M (K - 1))."""
+        return self.n if self.kind != "tree" else self.g * (1 + self.m * (self.k - 1))
+
+
+def schedule_depths(design: Design, depth: int) -> list[int] | None:
+    """Branch depths of the trajectory-independent schedules ``even``/``root_even``/``fixed``.
+
+    ``even`` is :func:`branchgym.schedules.even_schedule` on a backbone of ``depth`` steps;
+    ``root_even`` is the root plus ``even`` with M - 1 points; ``last`` the last M
+    decisions. ``None`` for ``entropy`` and ``random``, whose points differ per backbone.
+    """
+
+    def even(m: int) -> list[int]:
+        steps: list[int] = []
+        for i in range(1, m + 1):
+            t = min(depth - 1, int(round(i * depth / (m + 1))))
+            free = [u for u in range(depth) if u not in steps]
+            steps.append(min(free, key=lambda u: (abs(u - t), u)))
+        return sorted(steps)
+
+    if design.schedule == "even":
+        return even(design.m)
+    if design.schedule == "root_even":
+        return sorted({0, *[max(1, u) for u in even(design.m - 1)]})
+    if design.schedule == "last":
+        return list(range(max(0, depth - design.m), depth))
+    if design.schedule == "fixed":
+        return sorted(int(u) for u in design.depths)
+    return None
+
+
+# ------------------------------------------------------------------------- sampling
+
+
+def _rollouts(
+    arr: TreeArrays,
+    pis: np.ndarray,
+    pol: np.ndarray,
+    states: np.ndarray,
+    start: np.ndarray,
+    rng: np.random.Generator,
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Continue rows from ``states[:, start]`` to the leaves under policy ``pis[pol]``.
+
+    ``states`` is ``(n, D + 1)`` with each row's prefix filled up to ``start``; returns
+    ``(states, actions (n, D), returns (n,))``, actions before ``start`` are -1.
+    """
+    t = arr.tree
+    n, d = states.shape[0], arr.depth
+    actions = np.full((n, d), -1, dtype=np.int64)
+    a_n = arr.n_actions
+    flat_pi = pis.reshape(-1, a_n)
+    for step in range(d):
+        rows = np.flatnonzero(start <= step)
+        if rows.size == 0:
+            continue
+        s = states[rows, step]
+        cum = np.cumsum(flat_pi[pol[rows] * arr.n_nodes + s], axis=1)
+        u = rng.random(rows.size) * cum[:, -1]
+        a = np.minimum((u[:, None] >= cum).sum(axis=1), a_n - 1)
+        cp = arr.cum_probs[s, a]
+        o = np.minimum((rng.random(rows.size)[:, None] >= cp).sum(axis=1), cp.shape[1] - 1)
+        actions[rows, step] = a
+        states[rows, step + 1] = t.children[s, a, o]
+    leaf = states[:, d]
+    mean = t.reward_mean[leaf]
+    if t.reward_kind == "bernoulli":
+        ret = (rng.random(n) < mean).astype(float)
+    else:
+        ret = mean + t.reward_std[leaf] * rng.normal(size=n)
+    return states, actions, ret
+
+
+@dataclasses.dataclass
+class Pairs:
+    """Counted (state, action) pairs of a batch of repeats, with their weights.
+
+    ``grad = sum w (e_a - pi(s))`` per repeat; ``pre`` marks backbone decisions above the
+    first branch point; ``steps`` is each repeat's env steps.
+    """
+
+    rep: np.ndarray
+    s: np.ndarray
+    a: np.ndarray
+    w: np.ndarray
+    pre: np.ndarray
+    steps: np.ndarray
+
+
+def _entropy(pis: np.ndarray, pol: np.ndarray, states: np.ndarray, n_nodes: int) -> np.ndarray:
+    p = pis.reshape(-1, pis.shape[-1])[pol[:, None] * n_nodes + states]
+    return -np.sum(np.where(p > 0, p * np.log(np.where(p > 0, p, 1.0)), 0.0), axis=-1)
+
+
+def _pick(design: Design, h: np.ndarray, rng: np.random.Generator, depth: int) -> np.ndarray:
+    """Branch depths ``(rows, M)`` sorted; ``h`` the backbones' entropies ``(rows, D)``."""
+    rows = h.shape[0]
+    fixed = schedule_depths(design, depth)
+    if fixed is not None:
+        return np.tile(np.asarray(fixed, dtype=np.int64), (rows, 1))
+    tie = rng.random(h.shape)
+    if design.schedule == "entropy":  # top-M by H_t (min gap 1 step), ties at random
+        perm = np.argsort(tie, axis=1)
+        hp = np.take_along_axis(np.round(-h, 12), perm, axis=1)
+        order = np.take_along_axis(perm, np.argsort(hp, axis=1, kind="stable"), axis=1)
+    else:  # random: M distinct steps uniformly
+        order = np.argsort(tie, axis=1)
+    return np.sort(order[:, : design.m], axis=1)
+
+
+def _loo(x: np.ndarray) -> np.ndarray:
+    """Leave-one-out mean over the last axis."""
+    k = x.shape[-1]
+    return (x.sum(axis=-1, keepdims=True) - x) / (k - 1)
+
+
+def sample_pairs(
+    arr: TreeArrays,
+    design: Design,
+    pis: np.ndarray,
+    pol: np.ndarray,
+    rng: np.random.Generator,
+) -> Pairs:
+    """Sample one prompt's rollouts per repeat (policy ``pis[pol[r]]``); weight the pairs."""
+    d = arr.depth
+    reps = pol.size
+    if design.kind != "tree":
+        n = design.n
+        rows_pol = np.repeat(pol, n)
+        st = np.zeros((reps * n, d + 1), dtype=np.int64)
+        st, ac, ret = _rollouts(arr, pis, rows_pol, st, np.zeros(reps * n, np.int64), rng)
+        g = ret.reshape(reps, n)
+        if design.kind == "rloo":
+            adv = g - _loo(g)
+        else:
+            c = g - g.mean(axis=1, keepdims=True)
+            std = np.sqrt((c**2).sum(axis=1, keepdims=True) / (n - 1))
+            adv = np.where(std > 0, c / (std + 1e-6), 0.0)
+        w = np.repeat(adv.reshape(-1) / n, d)
+        rep = np.repeat(np.arange(reps), n * d)
+        return Pairs(
+            rep,
+            st[:, :d].reshape(-1),
+            ac.reshape(-1),
+            w,
+            np.zeros(w.size, bool),
+            np.full(reps, n * d, dtype=np.int64),
+        )
+    gb, m, k = design.g, design.m, design.k
+    nb = reps * gb
+    bpol = np.repeat(pol, gb)
+    bst, bac, bret = _rollouts(
+        arr, pis, bpol, np.zeros((nb, d + 1), np.int64), np.zeros(nb, np.int64), rng
+    )
+    bps = _pick(design, _entropy(pis, bpol, bst[:, :d], arr.n_nodes), rng, d)  # (nb, M)
+    # fresh siblings: (nb, M, K-1)
+    sst = np.repeat(bst, m * (k - 1), axis=0)
+    sstart = np.repeat(bps.reshape(-1), k - 1)
+    spol = np.repeat(bpol, m * (k - 1))
+    sst, sac, sret = _rollouts(arr, pis, spol, sst, sstart, rng)
+    sret = sret.reshape(nb, m, k - 1)
+    allg = np.concatenate([bret[:, None, None].repeat(m, axis=1), sret], axis=2)  # (nb, M, K)
+    local = allg - _loo(allg)  # eq. 4
+    fresh_base = sret.mean(axis=2)  # (nb, M): baseline from the K-1 fresh siblings
+    vhat = allg.mean(axis=2)  # (nb, M)
+    steps_t = np.arange(d)[None, :]
+    # ---- backbone credit (nb, D)
+    if design.credit == "lambda":
+        cred = np.zeros((nb, d))
+        for j in range(m):
+            b = bps[:, j : j + 1]
+            gap = b - steps_t
+            cred += np.where(gap >= 0, design.lam ** np.maximum(gap, 0), 0.0) * local[:, j, :1]
+        last = bps[:, -1:]
+        cred = np.where(steps_t > last, local[:, -1, :1], cred)
+    else:
+        # latest branch point at or above each step (-1: none, the prefix)
+        idx = (bps[:, None, :] <= steps_t[:, :, None]).sum(axis=2) - 1  # (nb, D)
+        if gb >= 2:
+            gr = bret.reshape(reps, gb)
+            vr = vhat[:, 0].reshape(reps, gb)
+            root_g = (gr - _loo(gr)).reshape(-1)
+            root_v = (vr - _loo(vr)).reshape(-1)
+        else:
+            root_g = bret.copy()
+            root_v = vhat[:, 0].copy()
+        if design.credit == "root":
+            at = np.take_along_axis(local[:, :, 0], np.maximum(idx, 0), axis=1)
+            cred = np.where(idx < 0, root_g[:, None], at)
+        else:  # value_diff
+            nxt = np.minimum(idx + 1, m - 1)
+            v_next = np.take_along_axis(vhat, nxt, axis=1)
+            base = np.take_along_axis(fresh_base, np.maximum(idx, 0), axis=1)
+            mid = np.where(idx + 1 < m, v_next - base, bret[:, None] - base)
+            cred = np.where(idx < 0, root_v[:, None], mid)
+    if design.backbone == "exclude":
+        cred = np.zeros_like(cred)
+    pre = steps_t < bps[:, :1]
+    # ---- pair counts per depth (nb lines -> per repeat)
+    scred = local[:, :, 1:].reshape(-1)  # (ns,) every fresh line's advantage
+    smask = steps_t >= sstart[:, None]  # (ns, D)
+    if design.norm == "traj":
+        bw = cred / design.rollouts
+        sw = np.where(smask, scred[:, None] / design.rollouts, 0.0)
+    else:
+        lines = 1 + (k - 1) * (bps[:, None, :] <= steps_t[:, :, None]).sum(axis=2)  # (nb, D)
+        lines_rep = lines.reshape(reps, gb, d).sum(axis=1)  # (reps, D)
+        bw = cred / np.repeat(lines_rep, gb, axis=0)
+        srep_lines = np.repeat(lines_rep, gb * m * (k - 1), axis=0)
+        sw = np.where(smask, scred[:, None] / srep_lines, 0.0)
+    brep = np.repeat(np.arange(reps), gb)
+    srep = np.repeat(brep, m * (k - 1))
+    keep = smask
+    steps = (np.full(nb, d) + (d - bps).sum(axis=1) * (k - 1)).reshape(reps, gb).sum(axis=1)
+    return Pairs(
+        np.concatenate([np.repeat(brep, d), np.repeat(srep, d)[keep.reshape(-1)]]),
+        np.concatenate([bst[:, :d].reshape(-1), sst[:, :d][keep]]),
+        np.concatenate([bac.reshape(-1), sac[keep]]),
+        np.concatenate([bw.reshape(-1), sw[keep]]),
+        np.concatenate([pre.reshape(-1), np.zeros(int(keep.sum()), bool)]),
+        steps,
+    )
+
+
+# ------------------------------------------------------------------------- measuring
+
+
+@dataclasses.dataclass
+class Measurement:
+    """Moments of one estimator over ``repeats`` independent draws.
+
+    ``mean`` is ``E g``; ``sq`` is ``E|g|^2``; ``cross`` is ``E<g, g*>``; the ``*_depth``
+    arrays restrict ``g`` to the states of each decision depth; ``*_pre`` to the
+    contributions of backbone decisions above the first branch point.
+    """
+
+    repeats: int
+    truth: np.ndarray
+    mean: np.ndarray
+    sq: float
+    cross: float
+    sq_depth: np.ndarray
+    cross_depth: np.ndarray
+    mean_pre: np.ndarray
+    sq_pre: float
+    steps: float
+    depth_of: np.ndarray
+
+    def _stats(self, mean: np.ndarray, truth: np.ndarray, sq: float, cross: float) -> dict:
+        t2 = float(np.sum(truth**2))
+        m2 = float(np.sum(mean**2))
+        cov = max(sq - m2, 0.0)
+        cos = float(np.sum(mean * truth) / np.sqrt(max(m2 * t2, 1e-300)))
+        best = 1.0 - cross**2 / max(sq * t2, 1e-300)
+        bias2 = max(float(np.sum((mean - truth) ** 2)) - cov / self.repeats, 0.0)
+        return {
+            "cosine": cos,
+            "noise_to_signal": cov / max(m2, 1e-300),
+            "rel_mse": (sq - 2 * cross + t2) / max(t2, 1e-300),
+            "rel_mse_best_scale": best,
+            "rel_bias2": bias2 / max(t2, 1e-300),
+            "norm_ratio": float(np.sqrt(m2 / max(t2, 1e-300))),
+            "cosine_floor": 1.0 - 0.5 * cov / max(self.repeats * m2, 1e-300),
+        }
+
+    def summary(self) -> dict[str, Any]:
+        """Overall figures, by depth and for the prefix.
+
+        Cosine of ``E g`` to ``g*``, noise-to-signal ``tr Cov / |E g|^2``, relative MSE
+        ``E|g - g*|^2 / |g*|^2`` (and at the best scalar step), squared bias corrected for
+        the mean's own noise, env steps.
+
+        ``cosine_floor`` is what the cosine of an unbiased estimator's sample mean is
+        expected to be at this many repeats (``1 - tr Cov / (2 R |E g|^2)``).
+        """
+        out = self._stats(self.mean, self.truth, self.sq, self.cross)
+        out["steps"] = self.steps
+        by = []
+        for t in range(self.sq_depth.size):
+            sel = self.depth_of == t
+            by.append(
+                self._stats(self.mean[sel], self.truth[sel], self.sq_depth[t], self.cross_depth[t])
+            )
+        out["by_depth"] = by
+        t2 = float(np.sum(self.truth**2))
+        m2 = float(np.sum(self.mean_pre**2))
+        out["prefix"] = {
+            "second_moment_share": self.sq_pre / max(self.sq, 1e-300),
+            "mean_norm_ratio": float(np.sqrt(m2 / max(t2, 1e-300))),
+            "cosine": float(np.sum(self.mean_pre * self.truth) / np.sqrt(max(m2 * t2, 1e-300)))
+            if m2 > 0
+            else float("nan"),
+        }
+        return out
+
+
+def _grad_rows(
+    arr: TreeArrays, pis: np.ndarray, pol: np.ndarray, pairs: Pairs, reps: int
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Group the pairs by (repeat, state): keys, the repeat of each key, and ``g`` rows."""
+    a_n = arr.n_actions
+    key = pairs.rep * arr.n_nodes + pairs.s
+    uk, inv = np.unique(key, return_inverse=True)
+    wa = np.zeros((uk.size, a_n))
+    np.add.at(wa, (inv, pairs.a), pairs.w)
+    wsum = np.bincount(inv, weights=pairs.w, minlength=uk.size)
+    rep = uk // arr.n_nodes
+    s = uk % arr.n_nodes
+    rows = wa - wsum[:, None] * pis.reshape(-1, a_n)[pol[rep] * arr.n_nodes + s]
+    return s, rep, rows
+
+
+def measure(
+    arr: TreeArrays,
+    design: Design,
+    pi: np.ndarray,
+    repeats: int,
+    rng: np.random.Generator,
+    *,
+    chunk: int = 4000,
+    truth: np.ndarray | None = None,
+) -> Measurement:
+    """Mean, second moment and cross term with ``g*`` of ``design`` over ``repeats`` draws."""
+    truth = exact_gradient(arr, pi) if truth is None else truth
+    d = arr.depth
+    depth_of = np.asarray(arr.tree.depth)
+    total = np.zeros_like(truth)
+    total_pre = np.zeros_like(truth)
+    sq = cross = sq_pre = 0.0
+    sq_d = np.zeros(d)
+    cross_d = np.zeros(d)
+    steps = 0.0
+    pis = pi[None]
+    done = 0
+    while done < repeats:
+        n = min(chunk, repeats - done)
+        pol = np.zeros(n, dtype=np.int64)
+        pairs = sample_pairs(arr, design, pis, pol, rng)
+        s, rep, rows = _grad_rows(arr, pis, pol, pairs, n)
+        np.add.at(total, s, rows)
+        r2 = np.sum(rows**2, axis=1)
+        rc = np.sum(rows * truth[s], axis=1)
+        sq += float(r2.sum())
+        cross += float(rc.sum())
+        dep = depth_of[s]
+        sq_d += np.bincount(dep, weights=r2, minlength=d)[:d]
+        cross_d += np.bincount(dep, weights=rc, minlength=d)[:d]
+        if pairs.pre.any():
+            f = pairs.pre
+            sub = Pairs(pairs.rep[f], pairs.s[f], pairs.a[f], pairs.w[f], f[f], pairs.steps)
+            ps, _, prow = _grad_rows(arr, pis, pol, sub, n)
+            np.add.at(total_pre, ps, prow)
+            sq_pre += float(np.sum(prow**2))
+        steps += float(pairs.steps.sum())
+        done += n
+    return Measurement(
+        repeats,
+        truth,
+        total / repeats,
+        sq / repeats,
+        cross / repeats,
+        sq_d / repeats,
+        cross_d / repeats,
+        total_pre / repeats,
+        sq_pre / repeats,
+        steps / repeats,
+        depth_of,
+    )
+
+
+def estimate(
+    arr: TreeArrays, design: Design, pis: np.ndarray, rng: np.random.Generator
+) -> tuple[np.ndarray, np.ndarray]:
+    """One draw of ``design`` per policy of the stack ``pis`` ``(P, n_nodes, A)``.
+
+    Returns:
+        ``(g, steps)``: ``g`` of shape ``(P, n_nodes, A)`` and each draw's env steps.
+    """
+    p = pis.shape[0]
+    pol = np.arange(p, dtype=np.int64)
+    pairs = sample_pairs(arr, design, pis, pol, rng)
+    s, rep, rows = _grad_rows(arr, pis, pol, pairs, p)
+    g = np.zeros_like(pis)
+    g[rep, s] = rows
+    return g, pairs.steps
