@@ -49,6 +49,10 @@ STUDIES: dict[str, tuple[str, str]] = {
         "branchgym.bench.gradient_noise",
         "each learner's gradient-estimator noise at a frozen policy: NSR, split-half cosine",
     ),
+    "estimator": (
+        "branchgym.bench.estimator",
+        "Branching PO and its variants as gradient estimators on TreeMDP vs the exact gradient",
+    ),
 }
 
 __all__ = ["STUDIES"]
