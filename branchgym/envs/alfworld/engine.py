@@ -47,7 +47,7 @@ import sys
 import threading
 import weakref
 from collections.abc import Iterator
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, ClassVar
 
 from branchgym.error import DependencyMissingError, GameLoadError
 
@@ -568,6 +568,9 @@ class _SasTemplate:
 @dataclasses.dataclass
 class _GameStatic:
     """What a game always starts from, computed once per process per game."""
+
+    #: Shared by every state of the game: not part of any one snapshot's memory.
+    __branchgym_shared__: ClassVar[bool] = True
 
     key: str
     domain: str

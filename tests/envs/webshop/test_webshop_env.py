@@ -210,7 +210,7 @@ def test_snapshot_is_small_shares_the_catalog_and_restores_anywhere():
         assert not term
     obs_then, state_then = env.unwrapped._obs, env.unwrapped.state
     with env.snapshot() as snap:
-        assert snap.nbytes < 2048
+        assert snap.nbytes < 8192  # memory it holds: no catalog, no page text
         blob = pickle.dumps(snap)
         assert len(blob) < 4096 and b"Filler" not in blob and b"BulletPoints" not in blob
         env.step("click[back to search]")
