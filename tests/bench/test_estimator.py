@@ -1,0 +1,172 @@
+"""The estimator study's math: exact gradient, sampler, unbiasedness claims, the CLI."""
+
+import json
+
+import numpy as np
+import pytest
+
+from branchgym import estimators as est
+from branchgym.bench.estimator import ESTIMATORS
+from branchgym.envs.toy import TreeStructure
+
+STUDY = {"depth": 4, "n_actions": 3, "reward_kind": "bernoulli", "seed": 2}
+LONG = {"depth": 7, "n_actions": 3, "transition_noise": 0.6, "reward_kind": "bernoulli", "seed": 2}
+
+
+@pytest.fixture(scope="module")
+def study():
+    arr = est.TreeArrays.of(est.fast_random_tree(**STUDY))
+    pi = est.softmax(np.random.default_rng(5).normal(size=(arr.n_nodes, arr.n_actions)))
+    return arr, pi
+
+
+@pytest.fixture(scope="module")
+def long_maze():
+    arr = est.TreeArrays.of(est.fast_random_tree(**LONG))
+    return arr, est.policy_snapshots(arr, fractions=(0.5,))["mid"]
+
+
+def test_fast_builder_matches_treestructure_random():
+    kw = {"depth": 3, "n_actions": 3, "n_outcomes": 2, "transition_noise": 0.4, "seed": 7}
+    a, b = est.fast_random_tree(**kw), TreeStructure.random(**kw)
+    for f in ("depth", "parent", "children", "probs", "reward_mean", "reward_std"):
+        assert np.allclose(getattr(a, f), getattr(b, f)), f
+
+
+def test_exact_values_match_backward_induction(study):
+    arr, pi = study
+    e = est.exact(arr, pi)
+    v, v2, q, _ = arr.tree.moments(pi)
+    inner = arr.tree.depth < arr.depth
+    assert np.allclose(e.v[inner], v[inner]) and np.allclose(e.q[inner], q[inner])
+    assert e.var[0] == pytest.approx(v2[0] - v[0] ** 2)
+    assert est.exact_j(arr, pi[None])[0] == pytest.approx(e.j)
+    # visitation sums to 1 at every depth
+    for level in arr.levels:
+        assert e.reach[level].sum() == pytest.approx(1.0)
+
+
+def test_exact_gradient_matches_finite_differences(study):
+    arr, _ = study
+    theta = np.random.default_rng(1).normal(size=(arr.n_nodes, arr.n_actions))
+    g = est.exact_gradient(arr, est.softmax(theta))
+    rng = np.random.default_rng(2)
+    inner = np.flatnonzero(arr.tree.depth < arr.depth)
+    for s in [0, *rng.choice(inner, 6, replace=False)]:
+        for a in range(arr.n_actions):
+            h = 1e-6
+            up, down = theta.copy(), theta.copy()
+            up[s, a] += h
+            down[s, a] -= h
+            j = est.exact_j(arr, np.stack([est.softmax(up), est.softmax(down)]))
+            assert g[s, a] == pytest.approx((j[0] - j[1]) / (2 * h), abs=1e-8)
+
+
+def test_sampled_leaves_follow_the_exact_visitation(study):
+    arr, pi = study
+    e = est.exact(arr, pi)
+    m = est.measure(arr, est.Design("rloo", n=2), pi, 1, np.random.default_rng(0))
+    assert m.steps == 2 * arr.depth
+    # the sampler's leaf frequencies against d(leaf)
+    n = 200_000
+    st = np.zeros((n, arr.depth + 1), dtype=np.int64)
+    pol = np.zeros(n, dtype=np.int64)
+    st, _, ret = est._rollouts(arr, pi[None], pol, st, pol, np.random.default_rng(3))
+    leaves = arr.levels[arr.depth]
+    freq = np.bincount(st[:, -1], minlength=arr.n_nodes)[leaves] / n
+    p = e.reach[leaves]
+    z = (freq - p) / np.sqrt(p * (1 - p) / n + 1e-12)
+    assert np.abs(z).max() < 5.0
+    assert ret.mean() == pytest.approx(e.j, abs=5 * ret.std() / np.sqrt(n))
+
+
+def test_sampler_agrees_with_the_env_through_snapshot_restore(study):
+    """Sibling returns branched with the env's snapshot()/restore() match the direct sampler."""
+    from branchgym.envs.toy import TreeMDP
+    from branchgym.envs.toy import theory as th
+
+    arr, pi = study
+    env = TreeMDP(structure=arr.tree)
+    rng = np.random.default_rng(4)
+    via_env = th.branched_groups(env, pi, 2, 4, 300, rng).reshape(-1)
+    n = 20_000
+    st = np.zeros((n, arr.depth + 1), dtype=np.int64)
+    pol = np.zeros(n, dtype=np.int64)
+    _, _, direct = est._rollouts(arr, pi[None], pol, st, pol, rng)
+    se = np.hypot(via_env.std() / np.sqrt(via_env.size / 4), direct.std() / np.sqrt(n))
+    assert abs(via_env.mean() - direct.mean()) < 4 * se
+
+
+def _bias_ratio(arr, design, pi, repeats, seed):
+    """|mean - g*|^2 over its expectation tr Cov / R for an unbiased estimator (about 1)."""
+    m = est.measure(arr, design, pi, repeats, np.random.default_rng(seed))
+    cov = m.sq - float(np.sum(m.mean**2))
+    return float(np.sum((m.mean - m.truth) ** 2)) / (cov / repeats)
+
+
+UNBIASED = ["rloo", "bpo_root", "bpo_vd", "bpo_g2_vd", "bpo_tail_vd"]
+
+
+@pytest.mark.parametrize("name", UNBIASED)
+def test_claimed_unbiased_estimators_match_the_exact_gradient(study, name):
+    arr, pi = study
+    assert _bias_ratio(arr, ESTIMATORS[name][0], pi, 20_000, 11) < 3.0
+
+
+@pytest.mark.parametrize(
+    "design",
+    [
+        est.Design(schedule="random", credit="value_diff", norm="depth", g=2, m=2, k=3),
+        est.Design(schedule="even", credit="root", norm="depth", g=3, m=2, k=2),
+        est.Design(schedule="fixed", depths=(1, 3), credit="value_diff", norm="depth"),
+    ],
+)
+def test_trajectory_independent_schedules_with_depth_norm_are_unbiased(study, design):
+    arr, pi = study
+    assert _bias_ratio(arr, design, pi, 20_000, 12) < 3.0
+
+
+def test_spec_bpo_bias_is_detected_on_the_long_noisy_maze(long_maze):
+    """The measurement is not vacuous: spec BPO fails the same check by a wide margin."""
+    arr, pi = long_maze
+    assert _bias_ratio(arr, ESTIMATORS["bpo"][0], pi, 5000, 13) > 10.0
+    assert _bias_ratio(arr, ESTIMATORS["bpo_lam0"][0], pi, 5000, 14) > 10.0
+
+
+@pytest.mark.parametrize("name", ["bpo_vd", "bpo_tail_vd"])
+def test_variants_are_unbiased_on_the_long_noisy_maze(long_maze, name):
+    arr, pi = long_maze
+    assert _bias_ratio(arr, ESTIMATORS[name][0], pi, 5000, 15) < 3.0
+
+
+def test_estimate_gives_one_gradient_per_policy(study):
+    arr, pi = study
+    pis = np.stack([pi, pi, pi])
+    g, steps = est.estimate(arr, ESTIMATORS["bpo_vd"][0], pis, np.random.default_rng(0))
+    assert g.shape == pis.shape and steps.shape == (3,)
+    assert np.allclose(g.sum(axis=-1), 0.0)  # softmax score rows sum to zero
+
+
+def test_design_validation():
+    with pytest.raises(ValueError, match="g >= 2"):
+        est.Design(credit="root")
+    with pytest.raises(ValueError, match="m depths"):
+        est.Design(schedule="fixed", depths=(1,))
+    with pytest.raises(ValueError, match="unknown"):
+        est.Design(norm="tokens")
+    assert est.Design().rollouts == 7 and ESTIMATORS["bpo_tail_vd"][0].rollouts == 20
+    assert est.schedule_depths(est.Design(schedule="even"), 4) == [1, 3]
+    assert est.schedule_depths(est.Design(schedule="root_even"), 7) == [0, 4]
+
+
+def test_cli_quick_writes_report_plots_and_json(tmp_path, capsys):
+    from branchgym.cli import main
+
+    assert main(["bench", "estimator", "--quick", "--out", str(tmp_path)]) == 0
+    assert (tmp_path / "estimator.md").exists()
+    assert (tmp_path / "estimator_nsr.png").exists()
+    assert (tmp_path / "estimator_training.png").exists()
+    data = json.loads((tmp_path / "estimator.json").read_text())
+    assert data["best_variant"] in ESTIMATORS
+    assert set(data["measure"]) >= {"study", "early", "late"}
+    assert "Best variant" in capsys.readouterr().out
