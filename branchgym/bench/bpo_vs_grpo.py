@@ -11,6 +11,13 @@ Setup (every figure of the report is measured in the same run):
   early, middle and late third of training (the source: about 0.42 early, 0.58 late; raw
   and scale-free, since GRPO normalises advantages and BPO does not), the share of
   non-degenerate advantages (max |A| > 0.1; the source: 71 % -> 94 % on SWE-bench).
+  The gradient-norm variance ratio is Var(|g|) over training windows of a moving policy:
+  it mixes policy drift, the advantages' scale and degenerate groups, and is reported
+  only to compare with the source's figure; it is **not** a measure of estimator noise.
+  The estimator-level figure (noise-to-signal tr Cov / |mean|^2 of each learner's
+  gradient at a frozen policy, matched rollouts and tokens) is ``branchgym bench
+  gradient-noise``; ``--noise-batches N`` adds it here, measured at this study's
+  starting policy.
 * **Ablations** of Branching PO on the same maze: K in {1, 2, 4, 8} (K = 1 is the RLOO
   fallback over independent backbones, the source's K = 1 row), the schedule (entropy,
   uniform random, evenly spaced, lowest entropy: the source finds the last worse than
@@ -116,6 +123,13 @@ def configure(parser: argparse.ArgumentParser) -> None:
         type=positive_int,
         default=10,
         help="WebShop's step limit in this study (its default 15; the scripted shopper takes 3-5)",
+    )
+    parser.add_argument(
+        "--noise-batches",
+        type=int,
+        default=0,
+        help="also measure each main learner's estimator noise at the starting policy with "
+        "this many batches (0: point to `branchgym bench gradient-noise` instead)",
     )
     parser.add_argument(
         "--quick", action="store_true", help="the CI maze, 10 updates, main comparison only"
@@ -235,11 +249,14 @@ def main(args: argparse.Namespace) -> int:  # noqa: C901 - one study, read top t
     lines = [
         f"updates to reach GRPO's final success ({grpo_end:.3f}): BPO {bpo_reach}, GRPO "
         f"{grpo_reach} -> {fewer} (source: {source.UPDATES_SAVED:.0%} fewer)",
-        "gradient-norm variance BPO/GRPO, early / middle / late third: raw "
+        "gradient-norm variance BPO/GRPO (Var|g| over training windows; not an "
+        "estimator-noise measure; comparable to the source's figure only), early / middle / "
+        "late third: raw "
         + " / ".join(f"{x:.2f}" for x in raw)
         + "; scale-free (squared CV) "
         + " / ".join(f"{x:.2f}" for x in free)
         + f" (source: about {_SRC['early']} early, {_SRC['late']} late)",
+        *_noise_lines(args, maze),
     ]
     for line in lines:
         print(line)
@@ -262,7 +279,8 @@ def main(args: argparse.Namespace) -> int:  # noqa: C901 - one study, read top t
         "env": "TextTreeMDP",
         "ours": f"{raw[0]:.2f}, {raw[-1]:.2f} (scale-free {free[0]:.2f}, {free[-1]:.2f})",
         "source": f"{_SRC['early']}, {_SRC['late']}",
-        "note": "",
+        "note": "Var|g| over training windows; not an estimator-noise measure; comparable to "
+        "the source's figure only (estimator noise: branchgym bench gradient-noise)",
     }
 
     fig, axes = plt.subplots(1, 2, figsize=(10, 3.8))
@@ -278,7 +296,8 @@ def main(args: argparse.Namespace) -> int:  # noqa: C901 - one study, read top t
     axes[1].plot(["early", "middle", "late"], free, marker="s", label="scale-free")
     axes[1].plot(["early", "late"], [_SRC["early"], _SRC["late"]], "k--", label="source")
     axes[1].axhline(1.0, color="0.6", lw=0.8, ls=":")
-    axes[1].set_ylabel("grad-norm variance, BPO / GRPO")
+    axes[1].set_ylabel("Var|g| over training windows, BPO / GRPO")
+    axes[1].set_title("not an estimator-noise measure", fontsize=9)
     axes[1].legend(fontsize=8)
     report.figure(fig, "main", "Success by update (mean ± SE) and the gradient-norm variance ratio")
 
@@ -399,6 +418,39 @@ def main(args: argparse.Namespace) -> int:  # noqa: C901 - one study, read top t
     path = report.save()
     print(f"report: {path}")
     return 0
+
+
+def _noise_lines(args: argparse.Namespace, maze: dict[str, Any]) -> list[str]:
+    """The estimator-level figure at the starting policy (or where to find it)."""
+    if args.noise_batches < 2:
+        return [
+            "estimator-level noise (tr Cov / |mean|^2 of each learner's gradient at a frozen "
+            "policy, matched rollouts and tokens): `branchgym bench gradient-noise`, or "
+            "`--noise-batches N` here"
+        ]
+    from branchgym.bench.gradient_noise import measure
+
+    res = measure(
+        list(MAIN),
+        args.noise_batches,
+        reference="grpo",
+        desc="learning: gradient noise",
+        env_kwargs=maze,
+        model="tiny",
+        policy="scoring",
+        prompts_per_step=args.prompts,
+        seed=0,
+        threads=args.threads,
+    )
+    parts = [
+        f"{k} {s['nsr']:.2f} / {s['nsr_tokens']:.2f} (cosine {s['cosine']:.2f})"
+        for k, s in res.items()
+    ]
+    return [
+        f"estimator-level noise-to-signal tr Cov / |mean|^2 at the starting policy, "
+        f"{args.noise_batches} batches of {args.prompts} prompts per learner, matched rollouts "
+        "/ matched tokens (split-half cosine): " + "; ".join(parts)
+    ]
 
 
 def _tiny_params() -> int:
