@@ -326,3 +326,58 @@ def test_the_same_seeds_give_the_same_tree_on_every_executor_and_size():
         for make in (lambda: InProcessExecutor(max_instances=1), lambda: ThreadExecutor(3))
     ]
     assert groups[0] == groups[1]
+
+
+def _children_of(pid):
+    """Live child processes of ``pid`` (from /proc)."""
+    out = []
+    for d in os.listdir("/proc"):
+        if d.isdigit():
+            try:
+                with open(f"/proc/{d}/stat") as f:
+                    fields = f.read().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            if int(fields[1]) == pid and fields[0] != "Z":
+                out.append(int(d))
+    return out
+
+
+@pytest.mark.slow
+def test_the_fault_suite_on_ray_actors():
+    ray = pytest.importorskip("ray")
+    from branchgym.executors import RayExecutor
+
+    ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])  # Ray's own cloudpickle
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    try:
+        noisy = EnvSpec("branchgym/TextTreeMDP-v0", {"transition_noise": 0.6})
+        ref = _summary(grow(noisy, None))
+        for n_workers in (1, 2):
+            with RayExecutor(n_workers=n_workers, timeout=3) as ex:
+                # the same seeds give the same tree as in-process, at every size
+                for max_concurrent in (1, None):
+                    assert _summary(grow(noisy, ex, max_concurrent=max_concurrent)) == ref
+                # failed restores: every sibling recorded with its reason
+                tree = grow(spec_of(Faulty, mode="restore"), ex, max_concurrent=1)
+                failed = [n for n in tree if n.error]
+                assert len(failed) == 6 and tree.stats.rollouts == 7
+                assert all("restore failed" in n.error for n in failed)
+                # a sandbox that hangs for good: timed out, the actor replaced
+                t0 = time.perf_counter()
+                tree = grow(spec_of(Faulty, mode="forever"), ex)
+                took = time.perf_counter() - t0
+                failed = [n for n in tree if n.error]
+                assert tree.stats.rollouts == 7 and len(failed) == 6, tree.render()
+                assert all("timeout" in n.error or "worker died" in n.error for n in failed)
+                assert took < 60, f"{took:.0f} s with every sibling stuck"
+                # the replaced actors still work
+                assert _summary(grow(noisy, ex)) == ref
+                assert ex.live_snapshots().count == 0
+        assert branchgym.live_snapshots().count == 0
+    finally:
+        ray.shutdown()
+    deadline = time.monotonic() + 20
+    while _children_of(os.getpid()) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert _children_of(os.getpid()) == [], "Ray left processes behind"

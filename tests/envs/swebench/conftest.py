@@ -1,10 +1,13 @@
 """Session fixtures of the SWE-bench tests: one task set, one checkout per task, shared backends."""
 
+import os
+
 import pytest
 
 from branchgym.envs.swebench.generated import generated_repos, generated_tasks
 from branchgym.envs.swebench.local import LocalBackend
 from branchgym.envs.swebench.tasks import ensure_checkout
+from branchgym.error import DependencyMissingError, SandboxUnavailableError
 
 
 @pytest.fixture(scope="session")
@@ -39,3 +42,21 @@ def sandbox(local_backend, task_by_name, checkout):
     sb = local_backend.create(task, checkout(task))
     yield sb
     sb.close()
+
+
+@pytest.fixture(scope="session")
+def docker_available():
+    """Skip without Docker and its base image (fail with BRANCHGYM_REQUIRE_DOCKER=1, as CI)."""
+    try:
+        from branchgym.envs.swebench.docker_backend import BASE_IMAGE, docker_client
+
+        docker_client().images.get(BASE_IMAGE)
+    except (DependencyMissingError, SandboxUnavailableError, ImportError) as exc:
+        reason = f"no Docker here: {exc}"
+    except Exception as exc:  # docker.errors.ImageNotFound
+        reason = f"base image missing (scripts/swebench_docker_image.sh): {exc}"
+    else:
+        return
+    if os.environ.get("BRANCHGYM_REQUIRE_DOCKER") == "1":
+        pytest.fail(f"CI expects Docker (BRANCHGYM_REQUIRE_DOCKER=1) but: {reason}")
+    pytest.skip(reason)

@@ -19,7 +19,7 @@ import pytest
 from branchgym.envs.swebench.limits import Limits
 from branchgym.envs.swebench.local import list_local_mounts, wait_for_cleanup, work_root
 from branchgym.envs.swebench.tasks import cache_root, verify_checkout
-from branchgym.error import DependencyMissingError, SandboxError, SandboxUnavailableError
+from branchgym.error import SandboxError
 
 pytestmark = pytest.mark.slow
 
@@ -37,22 +37,6 @@ FORCE_PASS = (
 )
 
 
-def _docker_or_skip():
-    try:
-        from branchgym.envs.swebench.docker_backend import BASE_IMAGE, docker_client
-
-        docker_client().images.get(BASE_IMAGE)
-    except (DependencyMissingError, SandboxUnavailableError, ImportError) as exc:
-        reason = f"no Docker here: {exc}"
-    except Exception as exc:  # docker.errors.ImageNotFound
-        reason = f"base image missing (scripts/swebench_docker_image.sh): {exc}"
-    else:
-        return
-    if os.environ.get("BRANCHGYM_REQUIRE_DOCKER") == "1":
-        pytest.fail(f"CI expects Docker (BRANCHGYM_REQUIRE_DOCKER=1) but: {reason}")
-    pytest.skip(reason)
-
-
 @pytest.fixture(
     scope="module",
     params=[
@@ -64,10 +48,8 @@ def _docker_or_skip():
 )
 def env(request):
     if request.param.startswith("docker"):
-        _docker_or_skip()
-    e = gym.make(
-        "branchgym/SWEBench-v0", backend=request.param, limits=LIMITS, command_timeout=20
-    )
+        request.getfixturevalue("docker_available")
+    e = gym.make("branchgym/SWEBench-v0", backend=request.param, limits=LIMITS, command_timeout=20)
     yield e
     e.close()
     wait_for_cleanup()

@@ -1,0 +1,131 @@
+"""Fault injection on real SWE-bench sandboxes, on every executor: hostile commands, a
+sandbox that dies mid-step, restores that fail. Every scheduled sibling runs or says why,
+and nothing leaks: no mounts, no sandbox folders, no live snapshots, no containers.
+"""
+
+import sys
+import time
+
+import cloudpickle
+import gymnasium as gym
+import pytest
+from branchgym.agents.policy import TextPolicy
+
+import branchgym
+from branchgym.envs.swebench.local import list_local_mounts, wait_for_cleanup, work_root
+from branchgym.error import SandboxError
+from branchgym.executors import EnvSpec, InProcessExecutor, ProcessExecutor, ThreadExecutor
+from branchgym.rollout import grow_tree
+
+cloudpickle.register_pickle_by_value(sys.modules[__name__])
+
+ENV_ID = "branchgym/SWEBench-v0"
+#: What an agent may try: work, hang past the command timeout, kill everything it can
+#: see, wipe the checkout, and (``crash``) a sandbox that dies in the middle of a step.
+COMMANDS = ["echo ok >> notes.txt", "sleep 600", "kill -9 -1", "rm -rf ./* && echo gone", "crash"]
+
+
+def faulty_swebench(backend, fail_restore=False):
+    env = gym.make(ENV_ID, backend=backend, command_timeout=1.5)
+    inner = env.unwrapped
+    real_step, real_restore = inner.step, inner.restore
+    restored = []
+
+    def step(action):
+        if action == "crash" and restored:  # siblings only: the backbone gets bash's answer
+            inner.sandbox.close()  # the container or overlay is gone mid-step
+            raise SandboxError("sandbox died mid-step")
+        return real_step(action)
+
+    def restore(snapshot):
+        if fail_restore:
+            raise SandboxError("restore failed: the layer store is gone")
+        restored.append(True)
+        return real_restore(snapshot)
+
+    inner.step, inner.restore = step, restore
+    return env
+
+
+def spec(backend, **kw):
+    name = f"faulty-swebench-{backend}-{kw}"
+    return EnvSpec(name, factory=lambda: faulty_swebench(backend, **kw))
+
+
+def _sandbox_dirs():
+    root = work_root()
+    return {d.name for d in root.iterdir()} if root.exists() else set()
+
+
+def _leftovers(before_dirs, backend):
+    """Mounts, non-empty sandbox folders and containers left behind (after a grace period)."""
+    deadline = time.monotonic() + 15
+    while True:
+        wait_for_cleanup()
+        root = work_root()
+        mounts = list_local_mounts(root)
+        busy = []
+        for name in _sandbox_dirs() - before_dirs:
+            d = root / name
+            for sub in ("l", "s"):
+                if (d / sub).exists() and any((d / sub).iterdir()):
+                    busy.append(str(d / sub))
+        containers = []
+        if backend == "docker":
+            from branchgym.envs.swebench.docker_backend import owned_resources
+
+            containers = owned_resources()["containers"]
+        left = {"mounts": mounts, "folders": busy, "containers": containers}
+        if not any(left.values()) or time.monotonic() > deadline:
+            return left
+        time.sleep(0.5)
+
+
+EXECUTORS = {
+    "inprocess-1": lambda: InProcessExecutor(max_instances=1),
+    "thread": lambda: ThreadExecutor(2, timeout=120),
+    "process": lambda: ProcessExecutor(2, timeout=120),
+}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("backend", ["overlay", pytest.param("docker", marks=pytest.mark.docker)])
+@pytest.mark.parametrize("executor", list(EXECUTORS))
+def test_hostile_siblings_and_dying_sandboxes_leave_a_complete_tree_and_nothing_behind(
+    backend, executor, tasks, request
+):
+    if backend == "docker":
+        request.getfixturevalue("docker_available")
+    before_dirs, base_live = _sandbox_dirs(), branchgym.live_snapshots().count
+    t0 = time.perf_counter()
+    with EXECUTORS[executor]() as ex:
+        for fail_restore in (False, True):
+            tree = grow_tree(
+                spec(backend, fail_restore=fail_restore),
+                TextPolicy(candidates=COMMANDS, weights=lambda ctx, c: [1, 1, 1, 1, 3]),
+                "random",
+                m=2,
+                k=3,
+                seed=0,
+                rng=1,
+                executor=ex,
+                max_steps=3,
+                schedule_options={"gap_unit": "steps"},
+            )
+            # every scheduled rollout is in the tree: 1 backbone + 2 x 2 siblings
+            assert tree.stats.rollouts == 5, tree.render()
+            errors = [n.error for n in tree if n.error]
+            assert all(
+                "died mid-step" in e or "restore failed" in e or "timeout" in e for e in errors
+            ), errors
+            if fail_restore:
+                assert sum("restore failed" in e for e in errors) == 4, errors
+            else:
+                assert any("died mid-step" in e for e in errors), tree.render()
+            for node in tree:
+                if node.error is None and node.action == "sleep 600":
+                    assert node.info.get("timed_out") or "timed out" in str(node.observation)
+    took = time.perf_counter() - t0
+    assert branchgym.live_snapshots().count == base_live
+    assert _leftovers(before_dirs, backend) == {"mounts": [], "folders": [], "containers": []}
+    assert took < 300, f"{took:.0f} s"
