@@ -1,0 +1,1 @@
+from bank.core import Account, InsufficientFunds, transfer

@@ -1,0 +1,1 @@
+from csvline.core import split_row

@@ -1,0 +1,17 @@
+from csvline import split_row
+
+
+def test_plain():
+    assert split_row("a, b ,c") == ["a", "b", "c"]
+
+
+def test_other_separator():
+    assert split_row("x;y", sep=";") == ["x", "y"]
+
+
+def test_quoted_separator():
+    assert split_row('a,"b,c",d') == ["a", "b,c", "d"]
+
+
+def test_quotes_removed():
+    assert split_row('"x", y') == ["x", "y"]

@@ -1,0 +1,1 @@
+from durations.core import parse_duration

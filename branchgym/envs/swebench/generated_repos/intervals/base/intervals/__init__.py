@@ -1,0 +1,1 @@
+from intervals.core import merge

@@ -1,0 +1,1 @@
+from lrucache.core import LRUCache

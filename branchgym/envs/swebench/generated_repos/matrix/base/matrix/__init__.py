@@ -1,0 +1,1 @@
+from matrix.core import identity, transpose

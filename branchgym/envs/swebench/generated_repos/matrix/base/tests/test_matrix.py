@@ -1,0 +1,13 @@
+from matrix import identity, transpose
+
+
+def test_square():
+    assert transpose([[1, 2], [3, 4]]) == [[1, 3], [2, 4]]
+
+
+def test_identity():
+    assert transpose(identity(3)) == identity(3)
+
+
+def test_empty():
+    assert transpose([]) == []

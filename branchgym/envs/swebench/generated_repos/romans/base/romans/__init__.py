@@ -1,0 +1,1 @@
+from romans.core import to_roman

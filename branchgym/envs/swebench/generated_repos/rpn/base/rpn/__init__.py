@@ -1,0 +1,1 @@
+from rpn.core import evaluate

@@ -1,0 +1,1 @@
+from semver.core import compare, latest, parse

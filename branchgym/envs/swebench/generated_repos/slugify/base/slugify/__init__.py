@@ -1,0 +1,1 @@
+from slugify.core import slugify

@@ -1,0 +1,17 @@
+from slugify import slugify
+
+
+def test_basic():
+    assert slugify("Hello World") == "hello-world"
+
+
+def test_digits():
+    assert slugify("Top 10 Tips") == "top-10-tips"
+
+
+def test_no_trailing_hyphen():
+    assert slugify("Hello, World!") == "hello-world"
+
+
+def test_no_leading_hyphen():
+    assert slugify("  Spaces") == "spaces"

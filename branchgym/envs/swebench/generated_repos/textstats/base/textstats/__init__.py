@@ -1,0 +1,1 @@
+from textstats.core import longest_word, word_count, words

@@ -1,0 +1,1 @@
+from textwrap2.core import wrap
