@@ -45,9 +45,20 @@ from branchgym.agents.run import (
 )
 
 from branchgym.rollout import KEEP_MODES, group_rollouts, grow_tree
+from branchgym.schedules import ForkPoint
 from branchgym.tree import ENTROPY_REDUCTIONS, RolloutTree
 
-__all__ = ["SCHEDULE_OPTIONS", "Args", "loss", "main", "tree_advantages"]
+__all__ = [
+    "CREDITS",
+    "SCHEDULE_OPTIONS",
+    "Args",
+    "last_schedule",
+    "loss",
+    "main",
+    "prompt_advantages",
+    "root_even_schedule",
+    "tree_advantages",
+]
 
 #: Branch schedules of step 3 and which of the Args options each takes.
 SCHEDULE_OPTIONS: dict[str, tuple[str, ...]] = {
@@ -56,7 +67,44 @@ SCHEDULE_OPTIONS: dict[str, tuple[str, ...]] = {
     "random": ("min_gap", "gap_unit", "fill"),
     "even": (),
     "oracle": (),
+    "last": (),
+    "root_even": (),
 }
+
+#: Credit of backbone decisions (docs/estimators.md): eq. 5, or the unbiased variants.
+CREDITS = ("lambda", "root", "value_diff")
+
+
+def last_schedule(
+    tree: RolloutTree, backbone: Sequence[int], m: int, rng: np.random.Generator
+) -> list[ForkPoint]:
+    """The last M decisions of the backbone, fixed in advance (so unbiased).
+
+    docs/estimators.md: cheap siblings where the return's residual variance is largest.
+    """
+    t_max = len(backbone)
+    return [ForkPoint(t, 0, float(t)) for t in range(max(0, t_max - m), t_max)]
+
+
+def root_even_schedule(
+    tree: RolloutTree, backbone: Sequence[int], m: int, rng: np.random.Generator
+) -> list[ForkPoint]:
+    """The first decision plus M - 1 evenly spaced ones, fixed in advance.
+
+    The root's K siblings are K independent backbones; the prefix gets no credit of its own.
+    """
+    t_max = len(backbone)
+    steps = {0}
+    for i in range(1, m):
+        t = min(t_max - 1, max(1, int(round(i * t_max / m))))
+        while t in steps and t < t_max - 1:
+            t += 1
+        steps.add(t)
+    return [ForkPoint(t, 0, float(t)) for t in sorted(steps)][:m]
+
+
+#: Schedules this learner adds to branchgym.schedules' (trajectory-independent ones).
+LOCAL_SCHEDULES = {"last": last_schedule, "root_even": root_even_schedule}
 
 
 @dataclasses.dataclass
@@ -106,6 +154,26 @@ class Args(TrainArgs):
     fallback_n: int = 7
     """Independent backbones per prompt when branching is off (M = 0 or K = 1): the RLOO
     group baseline of the source's K = 1 ablation (7 = N of M = 2, K = 4)."""
+    credit: str = "lambda"
+    """Credit of the backbone's decisions (docs/estimators.md): ``lambda`` is eq. (5)
+    (the spec); ``root`` gives decisions above the first branch point a leave-one-out
+    baseline among the prompt's ``backbones`` and later ones the comparison at the latest
+    branch point at or above them; ``value_diff`` gives decisions between two branch
+    points the mean sibling return at the next point minus the fresh siblings' mean at the
+    previous one (rewards in between added). Both are unbiased with a schedule that does
+    not look at the backbone's future (``even``, ``random``, ``last``, ``root_even``)."""
+    backbone_credit: str = "include"
+    """``include`` (spec): the backbone's action is sibling 1 of each comparison.
+    ``exclude``: the backbone's own decisions get advantage 0 (its return still serves
+    in the fresh siblings' baselines), removing the bias of an entropy schedule that
+    chose the point by the backbone's later states."""
+    backbones: int = 1
+    """Backbones G per prompt, each grown with its own branch points (N = G(1 + M(K - 1)));
+    ``credit="root"`` and ``value_diff`` use their leave-one-out baseline for the prefix."""
+    depth_weight: bool = False
+    """Scale each decision's advantage by N / n_t (n_t: the prompt's decisions at its step)
+    so every step weighs as one trajectory's, making the gradient's mean the policy gradient
+    (docs/estimators.md); off: every counted decision weighs the same (spec)."""
 
     @property
     def branching(self) -> bool:
@@ -128,6 +196,28 @@ class Args(TrainArgs):
         require_one_of("kl_estimator", self.kl_estimator, losses.KL_ESTIMATORS)
         require_one_of("keep", self.keep, KEEP_MODES)
         require_one_of("env_noise", self.env_noise, ("fresh", "shared"))
+        require_one_of("credit", self.credit, CREDITS)
+        require_one_of("backbone_credit", self.backbone_credit, ("include", "exclude"))
+        require(self.backbones >= 1, f"backbones must be >= 1; got {self.backbones}.")
+        require(
+            self.credit != "root" or self.backbones >= 2,
+            "credit='root' needs backbones >= 2 (the prefix's leave-one-out baseline).",
+        )
+        require(
+            self.credit != "value_diff" or self.backbones >= 2 or self.schedule == "root_even",
+            "credit='value_diff' needs backbones >= 2 or schedule='root_even' (a baseline "
+            "for the decisions above the first branch point).",
+        )
+        require(
+            self.credit == "lambda" or self.schedule not in ("entropy", "lowest_entropy"),
+            f"credit={self.credit!r} is unbiased only with a schedule fixed before the "
+            "backbone's future is seen: use even, random, last or root_even.",
+        )
+        spec = (self.credit, self.backbone_credit, self.backbones, self.depth_weight)
+        require(
+            self.branching or spec == ("lambda", "include", 1, False),
+            "credit, backbone_credit, backbones and depth_weight need branching (M, K > 1).",
+        )
 
 
 def tree_advantages(
@@ -166,6 +256,83 @@ def tree_advantages(
         for nid in owned:
             out[nid] = float(along[tree[nid].step])
     return out, len(bps), degenerate
+
+
+def _root_loo(values: list[float], valid: list[bool]) -> list[float]:
+    """Leave-one-out advantages among a prompt's backbones (0 for invalid ones)."""
+    adv, _ = losses.rloo_advantages(
+        torch.tensor([values], dtype=torch.float64), mask=torch.tensor([valid])
+    )
+    return [float(x) for x in adv[0]]
+
+
+def prompt_advantages(trees: Sequence[RolloutTree], args: Args) -> list[dict[int, float]]:
+    """The variants' advantages (docs/estimators.md) for one prompt's G trees: node -> A.
+
+    Fresh siblings' lines get their eq. (4) local advantage (tail ``last``). Backbone
+    decisions get ``args.credit``'s credit (``lambda``: eq. 5 through
+    :func:`tree_advantages`), 0 with ``backbone_credit="exclude"``; ``depth_weight``
+    rescales each decision by ``N / n_t``.
+    """
+    per_tree: list[dict[int, float]] = []
+    prefix: list[tuple[float, bool]] = []  # per backbone: (prefix value, valid)
+    pending: list[list[int]] = []  # per tree: backbone nodes above the first branch point
+    for tree in trees:
+        out, _, _ = tree_advantages(tree, args.lam, args.tail)
+        backbone = tree.backbone
+        bps = sorted(
+            (b for b in tree.branch_points() if b.siblings[0] in backbone), key=lambda b: b.step
+        )
+        pending.append([])
+        if args.credit != "lambda" and bps:
+            rows = []
+            for b in bps:
+                ret = np.asarray(b.returns, dtype=np.float64)
+                ok = np.array([tree.line_valid(x) for x in b.siblings])
+                fresh = ok.copy()
+                fresh[0] = False
+                vhat = float(ret[ok].mean()) if ok.any() else 0.0
+                base = float(ret[fresh].mean()) if fresh.any() else 0.0
+                rows.append((b.step, float(ret[0]), vhat, base, bool(ok[0])))
+            for pos, nid in enumerate(backbone):
+                idx = max((i for i, r in enumerate(rows) if r[0] <= pos), default=-1)
+                if idx < 0:
+                    pending[-1].append(nid)
+                    continue
+                step, g_here, _, base, _ = rows[idx]
+                if args.credit == "root" or idx == len(rows) - 1:
+                    out[nid] = g_here - base
+                else:  # value_diff: rewards to the next point + its sibling mean - baseline
+                    g_next, v_next = rows[idx + 1][1], rows[idx + 1][2]
+                    out[nid] = g_here - g_next + v_next - base
+            g0 = float(tree.path_returns_to_go(backbone)[0]) if backbone else 0.0
+            first = rows[0]
+            value = g0 if args.credit == "root" else g0 - first[1] + first[2]
+            prefix.append((value, first[4]))
+        else:
+            prefix.append((0.0, False))
+        if args.backbone_credit == "exclude":
+            for nid in backbone:
+                out[nid] = 0.0
+        per_tree.append(out)
+    if any(pending):
+        if len(trees) >= 2:
+            loo = _root_loo([p[0] for p in prefix], [p[1] for p in prefix])
+        else:  # root_even with G = 1: the first point is the root, no prefix
+            loo = [p[0] for p in prefix]
+        for ti, nodes in enumerate(pending):
+            for nid in nodes:
+                per_tree[ti][nid] = 0.0 if args.backbone_credit == "exclude" else loo[ti]
+    if args.depth_weight:
+        count: dict[int, int] = {}
+        for tree in trees:
+            for n in tree.nodes:
+                count[n.step] = count.get(n.step, 0) + 1
+        n_leaves = sum(len(t.leaves()) for t in trees)
+        for tree, out in zip(trees, per_tree, strict=True):
+            for nid in out:
+                out[nid] *= n_leaves / count[tree[nid].step]
+    return per_tree
 
 
 def _fallback_advantages(trees: Sequence[RolloutTree]) -> tuple[list[dict[int, float]], int]:
@@ -210,19 +377,23 @@ def main(args: Args, algo: str = "bpo") -> TrainResult:
         "fill": args.fill,
     }
     schedule_options = {k: given[k] for k in SCHEDULE_OPTIONS[args.schedule]}
+    schedule = LOCAL_SCHEDULES.get(args.schedule, args.schedule)
+    spec = (args.credit, args.backbone_credit, args.backbones, args.depth_weight)
+    variant = spec != ("lambda", "include", 1, False)
     for _ in run.loop():
         seeds = run.prompt_seeds()
         if args.branching:
             # steps 1-3: a backbone, M branch points by entropy, K-1 siblings at each
+            # (G backbones per prompt; G = 1 is the spec and draws from run.rng(i) as before)
             trees = [
                 grow_tree(
                     run.spec,
                     run.behaviour,
-                    args.schedule,
+                    schedule,
                     m=args.m,
                     k=args.k,
                     seed=s,
-                    rng=run.rng(i),
+                    rng=run.rng(i) if j == 0 else run.rng(i, j),
                     executor=run.executor,
                     keep=args.keep,
                     max_steps=args.max_episode_steps,
@@ -230,6 +401,7 @@ def main(args: Args, algo: str = "bpo") -> TrainResult:
                     env_noise=args.env_noise,
                 )
                 for i, s in enumerate(seeds)
+                for j in range(args.backbones)
             ]
             # steps 4-5: eq. 4 at each branch point, eq. 5 along each owning path
             per_tree, n_bp, n_degenerate = [], 0, 0
@@ -237,6 +409,13 @@ def main(args: Args, algo: str = "bpo") -> TrainResult:
                 adv, bp, deg = tree_advantages(t, args.lam, args.tail)
                 per_tree.append(adv)
                 n_bp, n_degenerate = n_bp + bp, n_degenerate + deg
+            if variant:  # docs/estimators.md: unbiased credit, per prompt's G trees
+                g = args.backbones
+                per_tree = [
+                    a
+                    for i in range(len(seeds))
+                    for a in prompt_advantages(trees[i * g : (i + 1) * g], args)
+                ]
             skipped = sum(all(v == 0 for v in a.values()) for a in per_tree)
         else:
             # K = 1 ablation: independent backbones with the RLOO group baseline

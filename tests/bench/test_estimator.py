@@ -170,3 +170,91 @@ def test_cli_quick_writes_report_plots_and_json(tmp_path, capsys):
     assert data["best_variant"] in ESTIMATORS
     assert set(data["measure"]) >= {"study", "early", "late"}
     assert "Best variant" in capsys.readouterr().out
+
+
+# ------------------------------------------------------------- the bpo learner's options
+
+
+def _learner_gradient_ratio(prompts, seed, **options):
+    """The learner's own advantages (grow_tree + prompt_advantages) as a tabular gradient."""
+    from branchgym.agents import bpo
+    from branchgym.agents.policy import TabularPolicy
+
+    from branchgym.executors import EnvRecipe
+    from branchgym.rollout import grow_tree
+
+    kw = {"depth": 3, "n_actions": 3, "reward_kind": "bernoulli", "structure_seed": 2}
+    arr = est.TreeArrays.of(
+        est.fast_random_tree(depth=3, n_actions=3, reward_kind="bernoulli", seed=2)
+    )
+    pi = est.softmax(np.random.default_rng(5).normal(size=(arr.n_nodes, arr.n_actions)))
+    truth = est.exact_gradient(arr, pi)
+    args = bpo.Args(**options)
+    args.check()
+    recipe = EnvRecipe("branchgym/TreeMDP-v0", kw)
+    schedule = bpo.LOCAL_SCHEDULES.get(args.schedule, args.schedule)
+    rng = np.random.default_rng(seed)
+    eye = np.eye(arr.n_actions)
+    gs = []
+    for _ in range(prompts):
+        trees = [
+            grow_tree(
+                recipe,
+                TabularPolicy(pi),
+                schedule,
+                m=args.m,
+                k=args.k,
+                seed=int(rng.integers(2**31)),
+                rng=rng,
+            )
+            for _ in range(args.backbones)
+        ]
+        n = sum(len(t.leaves()) for t in trees)
+        g = np.zeros_like(pi)
+        for t, adv in zip(trees, bpo.prompt_advantages(trees, args), strict=True):
+            for node in t.nodes:
+                s = 0 if node.parent < 0 else int(t[node.parent].observation)
+                g[s] += adv[node.id] * (eye[int(node.action)] - pi[s]) / n
+        gs.append(g)
+    gs = np.array(gs)
+    mean = gs.mean(axis=0)
+    cov = float(((gs - mean) ** 2).sum(axis=(1, 2)).mean())
+    return float(((mean - truth) ** 2).sum()) / (cov / prompts)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "options",
+    [
+        {"credit": "value_diff", "backbones": 2, "schedule": "last", "m": 1},
+        {"credit": "value_diff", "schedule": "root_even", "m": 2},
+    ],
+)
+def test_learner_variant_advantages_give_the_exact_gradient_in_mean(options):
+    ratio = _learner_gradient_ratio(250, 21, depth_weight=True, **options)
+    assert ratio < 3.0
+
+
+def test_learner_options_validate():
+    from branchgym.agents import bpo
+
+    from branchgym.error import TrainingConfigError as ConfigError
+
+    bpo.Args().check()  # the spec's defaults
+    assert (bpo.Args().credit, bpo.Args().backbones, bpo.Args().depth_weight) == (
+        "lambda",
+        1,
+        False,
+    )
+    for bad, match in [
+        ({"credit": "root"}, "backbones >= 2"),
+        ({"credit": "value_diff", "schedule": "even"}, "backbones >= 2"),
+        ({"credit": "value_diff", "backbones": 2}, "fixed before"),
+        ({"backbone_credit": "drop"}, "backbone_credit"),
+        ({"backbones": 0}, "backbones"),
+    ]:
+        with pytest.raises(ConfigError, match=match):
+            bpo.Args(**bad).check()
+    steps = [f.step for f in bpo.last_schedule(None, list(range(7)), 2, None)]
+    assert steps == [5, 6]
+    assert [f.step for f in bpo.root_even_schedule(None, list(range(7)), 2, None)] == [0, 4]
