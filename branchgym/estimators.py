@@ -59,6 +59,7 @@ __all__ = [
     "exact_j",
     "fast_random_tree",
     "measure",
+    "optimal_j",
     "policy_snapshots",
     "schedule_depths",
     "softmax",
@@ -245,7 +246,7 @@ def policy_snapshots(
     """
     theta = np.zeros((arr.n_nodes, arr.n_actions))
     j_u = exact(arr, softmax(theta)).j
-    j_opt = _optimal_j(arr)
+    j_opt = optimal_j(arr)
     out = {"uniform": softmax(theta)}
     names = ["mid", "late", "late2", "late3"]
     todo = list(fractions)
@@ -263,7 +264,8 @@ def policy_snapshots(
     return out
 
 
-def _optimal_j(arr: TreeArrays) -> float:
+def optimal_j(arr: TreeArrays) -> float:
+    """The optimal policy's J (backward induction on max_a Q)."""
     t = arr.tree
     v = np.zeros(arr.n_nodes)
     for d in range(arr.depth - 1, -1, -1):
@@ -700,16 +702,15 @@ def measure(
 
 def estimate(
     arr: TreeArrays, design: Design, pis: np.ndarray, rng: np.random.Generator
-) -> tuple[np.ndarray, np.ndarray]:
-    """One draw of ``design`` per policy of the stack ``pis`` ``(P, n_nodes, A)``.
+) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """One draw of ``design`` per policy of the stack ``pis`` ``(P, n_nodes, A)``, sparse.
 
     Returns:
-        ``(g, steps)``: ``g`` of shape ``(P, n_nodes, A)`` and each draw's env steps.
+        ``(policy, state, rows, steps)``: ``g[policy[i], state[i]] = rows[i]`` (each
+        ``(policy, state)`` once; every other entry of ``g`` is 0) and each draw's env steps.
     """
     p = pis.shape[0]
     pol = np.arange(p, dtype=np.int64)
     pairs = sample_pairs(arr, design, pis, pol, rng)
     s, rep, rows = _grad_rows(arr, pis, pol, pairs, p)
-    g = np.zeros_like(pis)
-    g[rep, s] = rows
-    return g, pairs.steps
+    return rep, s, rows, pairs.steps

@@ -80,15 +80,15 @@ MAZES: dict[str, tuple[dict[str, Any], str]] = {
         },
         "long noisy maze, depth 7, 3 actions, transition noise 0.6, Bernoulli",
     ),
-    "long9": (
+    "long8": (
         {
-            "depth": 9,
+            "depth": 8,
             "n_actions": 2,
             "transition_noise": 0.6,
             "reward_kind": "bernoulli",
             "seed": 2,
         },
-        "long noisy maze, depth 9, 2 actions, transition noise 0.6, Bernoulli",
+        "long noisy maze, depth 8, 2 actions, transition noise 0.6, Bernoulli",
     ),
     "early": (
         {
@@ -174,7 +174,9 @@ def theorem2_rows(name: str, arr: est.TreeArrays, pi: np.ndarray) -> list[list[A
         s = arr.levels[t]
         sigma2 = float(e.reach[s] @ e.var[s])
         nu2 = float(e.reach[s] @ (e.v[s] - e.j) ** 2)
-        rows.append([name, t, total, sigma2, nu2, nu2 / total if total > 0 else float("nan")])
+        ratio = nu2 / total if total > 0 else float("nan")
+        # prefix credit from the mean of K = 4 siblings branched at t, vs one return
+        rows.append([name, t, total, sigma2, nu2, ratio, ratio + (1 - ratio) / 4])
     return rows
 
 
@@ -279,7 +281,14 @@ def _tables(report: Report, results: dict, maze_set: dict) -> dict[str, Any]:
     )
     trows = [row for m in results for row in results[m]["theorem2"]]
     report.add("## Theorem 2 by depth (mid policy): Var(G) = sigma_t^2 + nu_t^2")
-    report.table(["maze", "t", "Var(G)", "sigma_t^2", "nu_t^2", "nu_t^2/Var"], trows)
+    report.add(
+        "`(nu^2 + sigma^2/4)/Var`: variance of a prefix decision's credit taken from the mean "
+        "of K = 4 siblings branched at t, relative to one return (the tail variant's gain)."
+    )
+    report.table(
+        ["maze", "t", "Var(G)", "sigma_t^2", "nu_t^2", "nu_t^2/Var", "(nu^2 + sigma^2/4)/Var"],
+        trows,
+    )
     # summary: worst cosine over policies, matched-steps NSR relative to RLOO
     srows, best = [], {}
     for e in ESTIMATORS:
@@ -377,20 +386,24 @@ def train(
     env-step ``grid`` (the last value carried forward).
     """
     theta = np.zeros((seeds, arr.n_nodes, arr.n_actions))
+    pis = est.softmax(theta)
     used = np.zeros(seeds)
     out = np.full((seeds, grid.size), np.nan)
-    j = est.exact_j(arr, est.softmax(theta))
-    out[:, 0] = j
+    out[:, 0] = est.exact_j(arr, pis)
     while used.min() < budget:
-        pis = est.softmax(theta)
-        g, steps = est.estimate(arr, design, pis, rng)
+        rep, s, rows, steps = est.estimate(arr, design, pis, rng)
         live = used < budget
-        theta[live] += lr * g[live]
+        keep = live[rep]
+        rep, s = rep[keep], s[keep]
+        theta[rep, s] += lr * rows[keep]
+        pis[rep, s] = est.softmax(theta[rep, s])
         before = used.copy()
         used = used + np.where(live, steps, 0)
-        j = est.exact_j(arr, est.softmax(theta))
         hit = (grid[None, :] > before[:, None]) & (grid[None, :] <= used[:, None])
-        out = np.where(hit, j[:, None], out)
+        seeds_hit = np.flatnonzero(hit.any(axis=1))
+        if seeds_hit.size:  # exact J only when a seed passes a grid point
+            j = est.exact_j(arr, pis[seeds_hit])
+            out[seeds_hit] = np.where(hit[seeds_hit], j[:, None], out[seeds_hit])
     # grid points past the budget keep the last value
     for i in range(1, grid.size):
         out[:, i] = np.where(np.isnan(out[:, i]), out[:, i - 1], out[:, i])
@@ -398,8 +411,33 @@ def train(
 
 
 def _training(report: Report, args: argparse.Namespace, maze_set: dict, best: str) -> None:
-    arr, text = maze_set["late"]
-    names = ["rloo", "grpo", "bpo", best]
+    long = [m for m in maze_set if m.startswith("long")]
+    train_on = [min(long, key=lambda m: maze_set[m][0].n_nodes), "late"]
+    report.add(
+        "## Training at equal env steps\n\nSGD on the logits, "
+        f"{args.seeds} seeds, {args.budget} env steps per seed, exact J; each estimator at its "
+        f"best step size among [{args.lrs}] (final J by step size in the JSON). Best variant "
+        f"from the measurements above: `{best}`. Mazes: the smallest long noisy maze (most "
+        "return variance resolved by the last step's Bernoulli reward and noisy transitions) "
+        "and `late`."
+    )
+    report.data["training"] = {}
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, len(train_on), figsize=(6 * len(train_on), 4))
+    for ax, maze in zip(np.atleast_1d(axes), train_on, strict=True):
+        _train_maze(report, args, maze_set, maze, best, ax)
+    report.figure(fig, "training", "Exact J vs env steps, mean ± SE over seeds")
+
+
+def _train_maze(
+    report: Report, args: argparse.Namespace, maze_set: dict, maze: str, best: str, ax: Any
+) -> None:
+    arr, text = maze_set[maze]
+    names = list(dict.fromkeys(["rloo", "grpo", "bpo", best]))
     grid = np.linspace(0, args.budget, 41)
     lrs = [float(x) for x in str(args.lrs).split(",")]
     curves: dict[str, np.ndarray] = {}
@@ -407,31 +445,32 @@ def _training(report: Report, args: argparse.Namespace, maze_set: dict, best: st
     final: dict[str, dict[float, float]] = {}
     t0 = time.perf_counter()
     jobs = [(e, lr) for e in names for lr in lrs]
-    for i, (e, lr) in enumerate(tqdm(jobs, desc="estimator bench: training", unit="run")):
+    for i, (e, lr) in enumerate(tqdm(jobs, desc=f"estimator bench: training {maze}", unit="run")):
         rng = np.random.default_rng(args.seed + 1000 + i)
         c = train(arr, ESTIMATORS[e][0], args.seeds, args.budget, lr, rng, grid)
         final.setdefault(e, {})[lr] = float(c[:, -1].mean())
         if e not in curves or final[e][lr] > final[e][best_lr[e]]:
             curves[e], best_lr[e] = c, lr
     rows = []
+    half = grid.size // 2
     for e in names:
         c = curves[e]
         se = c.std(axis=0, ddof=1) / np.sqrt(c.shape[0])
-        half = grid.size // 2
         rows.append([e, best_lr[e], c[:, half].mean(), se[half], c[:, -1].mean(), se[-1]])
+        ax.plot(grid, c.mean(axis=0), label=f"{e} (step {best_lr[e]:g})")
+        ax.fill_between(grid, c.mean(axis=0) - se, c.mean(axis=0) + se, alpha=0.25)
     j0 = float(curves[names[0]][:, 0].mean())
     report.add(
-        f"## Training on the `late` maze ({text})\n\nSGD on the logits, {args.seeds} seeds, "
-        f"{args.budget} env steps per seed, exact J (uniform policy: {j0:.3f}); each estimator "
-        f"at its best step size among {lrs} (final J by step size in the JSON). Best variant "
-        f"from the measurements above: `{best}`. ({time.perf_counter() - t0:.0f} s)"
+        f"### `{maze}` ({text})\n\nUniform policy J = {j0:.3f}, optimal J = "
+        f"{est.optimal_j(arr):.3f}. ({time.perf_counter() - t0:.0f} s)"
     )
+    print(f"training on {maze}:")
     print(
         report.table(
             [
                 "estimator",
                 "step size",
-                f"J @ {int(grid[grid.size // 2])} steps",
+                f"J @ {int(grid[half])} steps",
                 "SE",
                 f"J @ {args.budget} steps",
                 "SE",
@@ -439,27 +478,15 @@ def _training(report: Report, args: argparse.Namespace, maze_set: dict, best: st
             rows,
         )
     )
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(6, 4))
-    for e in names:
-        c = curves[e]
-        m, se = c.mean(axis=0), c.std(axis=0, ddof=1) / np.sqrt(c.shape[0])
-        ax.plot(grid, m, label=e)
-        ax.fill_between(grid, m - se, m + se, alpha=0.25)
+    ax.set_title(maze)
     ax.set_xlabel("env steps per seed")
     ax.set_ylabel("exact J")
-    ax.legend()
-    report.figure(fig, "training", "Exact J vs env steps, mean ± SE over seeds")
-    report.data["training"] = {
-        "maze": "late",
+    ax.legend(fontsize=7)
+    report.data["training"][maze] = {
         "grid": grid.tolist(),
+        "seeds": args.seeds,
         "best_lr": best_lr,
         "final_by_lr": {e: {str(k): v for k, v in d.items()} for e, d in final.items()},
-        "seeds": args.seeds,
         "mean": {e: curves[e].mean(axis=0).tolist() for e in names},
         "se": {e: (curves[e].std(axis=0, ddof=1) / np.sqrt(args.seeds)).tolist() for e in names},
     }

@@ -142,9 +142,12 @@ def test_variants_are_unbiased_on_the_long_noisy_maze(long_maze, name):
 def test_estimate_gives_one_gradient_per_policy(study):
     arr, pi = study
     pis = np.stack([pi, pi, pi])
-    g, steps = est.estimate(arr, ESTIMATORS["bpo_vd"][0], pis, np.random.default_rng(0))
-    assert g.shape == pis.shape and steps.shape == (3,)
-    assert np.allclose(g.sum(axis=-1), 0.0)  # softmax score rows sum to zero
+    rep, s, rows, steps = est.estimate(arr, ESTIMATORS["bpo_vd"][0], pis, np.random.default_rng(0))
+    assert set(rep) == {0, 1, 2} and steps.shape == (3,)
+    assert (
+        len(set(zip(rep.tolist(), s.tolist(), strict=True))) == rep.size
+    )  # each (policy, state) once
+    assert np.allclose(rows.sum(axis=-1), 0.0)  # softmax score rows sum to zero
 
 
 def test_design_validation():
