@@ -10,6 +10,14 @@ goal price bounds are drawn from a seeded ``random.Random``, never the global RN
 Where the data comes from, in order: the ``data_dir`` argument, the
 ``BRANCHGYM_WEBSHOP_DATA`` environment variable, else a generated catalog written on
 first use under :func:`cache_dir` (``$BRANCHGYM_CACHE`` or ``~/.cache/branchgym``).
+Which files of a folder: ``data="small"``/``"full"`` (upstream's two releases,
+:data:`PRESETS`) or explicit names; without either, the folder must hold one products
+file and one attributes file of the same release, else a :class:`DataError` lists what
+it found (never a silent choice, never a small attributes file under the full catalog).
+
+This module is a little over 600 lines: loading, file resolution, prices and goals follow
+upstream's ``engine.py``/``goal.py`` field by field, and keeping them together keeps that
+correspondence readable.
 """
 
 from __future__ import annotations
@@ -32,6 +40,8 @@ from branchgym.error import DataError
 
 __all__ = [
     "Catalog",
+    "HUMAN_FILE",
+    "PRESETS",
     "SPLITS",
     "GOAL_SHUFFLE_SEED",
     "cache_dir",
@@ -44,12 +54,18 @@ __all__ = [
 #: Upstream shuffles the goal list with ``random.seed(233)`` before splitting.
 GOAL_SHUFFLE_SEED = 233
 #: Goal index ranges of upstream's splits (``baseline_models/env.py``): test, eval, train.
+#: Upstream applies them only when ``num_products`` is unset (its ``--num``); with
+#: ``num_products`` set, every split is all goals. ``agent_test`` is the common agent
+#: convention (ReAct-style evaluations: goals 0-499, the ``fixed_0``..``fixed_499``
+#: sessions), whatever the data; ``all`` is every goal.
 SPLITS: dict[str, tuple[int, int | None]] = {
     "test": (0, 500),
     "eval": (500, 1500),
     "train": (1500, None),
     "all": (0, None),
+    "agent_test": (0, 500),
 }
+_UPSTREAM_SPLITS = ("test", "eval", "train")
 _REQUIRED_KEYS = ("asin", "name", "category", "query", "product_category")
 
 
@@ -96,6 +112,9 @@ class Catalog:
         fingerprint: Stable hash of the source and the loading options.
         source: Where the data came from (a folder, or ``generated``).
         human_goals: Whether goals come from human instructions (else synthetic).
+        num_products: The ``num_products`` it was loaded with (upstream's ``--num``,
+            which decides whether the splits apply).
+        files: Names of the products and attributes files used.
     """
 
     products: tuple[dict[str, Any], ...]
@@ -105,18 +124,27 @@ class Catalog:
     fingerprint: str
     source: str
     human_goals: bool
+    num_products: int | None = None
+    files: tuple[str, ...] = ()
     _lazy: dict[str, Any] = dataclasses.field(default_factory=dict, repr=False)
 
     def __len__(self) -> int:
         return len(self.products)
 
     def split_range(self, split: str) -> range:
-        """Goal indices of ``split`` (``test``, ``eval``, ``train`` or ``all``)."""
+        """Goal indices of ``split`` (``test``, ``eval``, ``train``, ``all``, ``agent_test``).
+
+        As upstream's ``baseline_models/env.py``: with ``num_products`` set, ``test``,
+        ``eval`` and ``train`` are every goal; otherwise goals [0, 500), [500, 1500) and
+        [1500, end) of the seed-233 shuffled list.
+        """
         if split not in SPLITS:
             raise DataError(
                 f"unknown goal split {split!r}; use one of {', '.join(map(repr, SPLITS))}."
             )
         lo, hi = SPLITS[split]
+        if split in _UPSTREAM_SPLITS and self.num_products is not None:
+            lo, hi = SPLITS["all"]
         n = len(self.goals)
         r = range(min(lo, n), n if hi is None else min(hi, n))
         if len(r) == 0:
@@ -158,6 +186,8 @@ def load_catalog(
     human_goals: bool = True,
     products_file: str | None = None,
     attributes_file: str | None = None,
+    data: str | None = None,
+    human_file: str | None = None,
 ) -> Catalog:
     """Load (or fetch from the process cache) the catalog these arguments describe.
 
@@ -171,9 +201,14 @@ def load_catalog(
         price_seed: Seed of the price draws (products priced as a range, goal bounds).
         human_goals: Goals from ``items_human_ins.json`` (True, upstream's benchmark
             setting) or synthetic goals from ``items_ins_v2*.json`` (False).
-        products_file: File name inside ``data_dir`` to use instead of the default choice
-            (``items_shuffle_1000.json``, else ``items_shuffle.json``, else the only match).
-        attributes_file: Likewise for ``items_ins_v2*.json``.
+        products_file: Products file name inside the folder. Alone, it is paired with its
+            release's attributes file (or the folder's only ``items_ins_v2*.json``).
+        attributes_file: Attributes file name inside the folder (likewise).
+        data: Upstream release preset: ``"small"`` (``items_shuffle_1000.json`` +
+            ``items_ins_v2_1000.json``) or ``"full"`` (``items_shuffle.json`` +
+            ``items_ins_v2.json``). Without it or file names, the folder must hold exactly
+            one products and one attributes file of the same release.
+        human_file: Human-instructions file name (default ``items_human_ins.json``).
 
     Raises:
         DataError: a folder or file is missing, unreadable or malformed.
@@ -186,7 +221,7 @@ def load_catalog(
         source = "generated"
     else:
         source = str(path)
-    files = _resolve_files(path, products_file, attributes_file, human_goals)
+    files = _resolve_files(path, data, products_file, attributes_file, human_file, human_goals)
     stamp = tuple((f.name, f.stat().st_size, f.stat().st_mtime_ns) for f in files.values() if f)
     key = (str(path.resolve()), stamp, num_products, price_seed, human_goals)
     with _LOCK:
@@ -203,40 +238,104 @@ def clear_catalog_cache() -> None:
         _CACHE.clear()
 
 
-def _resolve_files(
-    path: Path, products_file: str | None, attributes_file: str | None, human_goals: bool
-) -> dict[str, Path | None]:
-    def pick(explicit: str | None, preferred: tuple[str, ...], pattern: str) -> Path:
-        if explicit is not None:
-            f = path / explicit
-            if not f.is_file():
-                raise DataError(f"{str(f)!r} does not exist; check the file name in {path}.")
-            return f
-        for name in preferred:
-            if (path / name).is_file():
-                return path / name
-        found = sorted(path.glob(pattern))
-        if len(found) == 1:
-            return found[0]
-        if not found:
-            raise DataError(
-                f"no {pattern} in {str(path)!r}. A WebShop data folder needs items_shuffle*.json,"
-                " items_ins_v2*.json and items_human_ins.json (the WebShop data release), or "
-                "leave data_dir unset to use the generated catalog."
-            )
-        raise DataError(
-            f"several {pattern} files in {str(path)!r} ({', '.join(f.name for f in found)}); "
-            "choose one with products_file=/attributes_file=."
-        )
+#: Upstream's data releases: ``setup.sh -d small`` (1,000 products) and ``-d all``.
+PRESETS: dict[str, tuple[str, str]] = {
+    "small": ("items_shuffle_1000.json", "items_ins_v2_1000.json"),
+    "full": ("items_shuffle.json", "items_ins_v2.json"),
+}
+HUMAN_FILE = "items_human_ins.json"
 
+
+def _resolve_files(
+    path: Path,
+    preset: str | None,
+    products_file: str | None,
+    attributes_file: str | None,
+    human_file: str | None,
+    human_goals: bool,
+) -> dict[str, Path | None]:
+    """Choose the products/attributes/human files in ``path``; refuse any ambiguity.
+
+    An explicit ``preset`` or file name wins; otherwise the folder must hold exactly one
+    products file and one attributes file of the same release (or one custom pair).
+    """
+    found_p = sorted(f.name for f in path.glob("items_shuffle*.json"))
+    found_a = sorted(f.name for f in path.glob("items_ins_v2*.json"))
+    seen = f"found products files {found_p or 'none'} and attributes files {found_a or 'none'}"
+
+    def need(name: str, what: str) -> Path:
+        f = path / name
+        if not f.is_file():
+            raise DataError(
+                f"{what} file {str(f)!r} does not exist ({seen} in {str(path)!r}); check the "
+                "name, or download it with upstream's setup.sh (-d small / -d all)."
+            )
+        return f
+
+    if preset is not None:
+        if preset not in PRESETS:
+            raise DataError(
+                f"unknown WebShop data preset {preset!r}; use 'small' (items_shuffle_1000.json "
+                "+ items_ins_v2_1000.json) or 'full' (items_shuffle.json + items_ins_v2.json), "
+                "or name the files with products_file=/attributes_file=."
+            )
+        if products_file is not None or attributes_file is not None:
+            raise DataError(
+                f"data={preset!r} names the files already; pass either data= or "
+                "products_file=/attributes_file=, not both."
+            )
+        products_file, attributes_file = PRESETS[preset]
+    elif products_file is None and attributes_file is None:
+        complete = [k for k, (p, a) in PRESETS.items() if p in found_p and a in found_a]
+        if len(found_p) == 1 and len(found_a) == 1:
+            p, a = found_p[0], found_a[0]
+            mixed = {_preset_of(p, 0), _preset_of(a, 1)} >= {"small", "full"}
+            if mixed:
+                raise DataError(
+                    f"{str(path)!r} pairs {p} with {a}, files of different releases (products "
+                    "outside the attributes file would get no attributes); add the matching "
+                    f"file, or confirm the pair with products_file={p!r}, attributes_file={a!r}."
+                )
+            products_file, attributes_file = p, a
+        elif not found_p or not found_a:
+            raise DataError(
+                f"{str(path)!r} is not a complete WebShop data folder: {seen}. It needs "
+                "items_shuffle*.json, items_ins_v2*.json and items_human_ins.json (the WebShop "
+                "data release), or leave data_dir unset to use the generated catalog."
+            )
+        else:
+            hint = f" (complete releases here: {', '.join(complete)})" if complete else ""
+            raise DataError(
+                f"{str(path)!r} holds several WebShop data files: {seen}{hint}. Choose with "
+                "data='small' or data='full', or name both files with products_file= and "
+                "attributes_file=."
+            )
+    elif attributes_file is None:
+        pre = _preset_of(products_file, 0)
+        if pre is not None:
+            attributes_file = PRESETS[pre][1]
+        elif len(found_a) == 1:
+            attributes_file = found_a[0]
+        else:
+            raise DataError(
+                f"products_file={products_file!r} has no matching attributes file ({seen}); "
+                "name it with attributes_file=."
+            )
+    elif products_file is None:
+        pre = _preset_of(attributes_file, 1)
+        if pre is not None:
+            products_file = PRESETS[pre][0]
+        elif len(found_p) == 1:
+            products_file = found_p[0]
+        else:
+            raise DataError(
+                f"attributes_file={attributes_file!r} has no matching products file ({seen}); "
+                "name it with products_file=."
+            )
     files: dict[str, Path | None] = {
-        "products": pick(
-            products_file, ("items_shuffle_1000.json", "items_shuffle.json"), "items_shuffle*.json"
-        ),
-        "attributes": pick(
-            attributes_file, ("items_ins_v2_1000.json", "items_ins_v2.json"), "items_ins_v2*.json"
-        ),
-        "human": path / "items_human_ins.json",
+        "products": need(products_file, "products"),
+        "attributes": need(attributes_file, "attributes"),
+        "human": path / (human_file or HUMAN_FILE),
         "reviews": path / "reviews.json" if (path / "reviews.json").is_file() else None,
     }
     if human_goals and not files["human"].is_file():  # type: ignore[union-attr]
@@ -248,6 +347,11 @@ def _resolve_files(
     if not human_goals:
         files["human"] = None
     return files
+
+
+def _preset_of(name: str, which: int) -> str | None:
+    """The release whose products (0) or attributes (1) file is called ``name``."""
+    return next((k for k, files in PRESETS.items() if files[which] == name), None)
 
 
 def _read_json(path: Path, expect: type) -> Any:
@@ -350,6 +454,8 @@ def _load(
         fingerprint=_fingerprint(products, prices, goals),
         source=source,
         human_goals=human_goals,
+        num_products=num_products,
+        files=tuple(f.name for f in (files["products"], files["attributes"]) if f),
     )
 
 

@@ -14,7 +14,13 @@ and observations follow ``web_agent_site/envs/web_agent_text_env.py`` (see
   ``search[...]`` works from any page.
 * An invalid action (unparseable, empty, not clickable here, not a string) changes
   nothing but the message: reward 0, not done, and the observation starts with
-  ``Invalid action: ...``; it counts as a step, as in the common agent setups.
+  ``Invalid action: ...`` (``invalid_action_obs="upstream"``: the page repeated
+  unchanged, as upstream); it counts as a step, as in the common agent setups.
+* ``num_prev_obs`` / ``num_prev_actions`` prepend the last observations and actions as
+  upstream's text env does: ``o_-k [SEP] a_-k [SEP] ... o_-1 [SEP] a_-1 [SEP] o``.
+* ``info`` carries ``split``, ``goal_index`` (index into the shuffled goal list:
+  upstream's ``fixed_<i>`` session), ``split_index`` (position in the split) and
+  ``won`` (a purchase with reward exactly 1, upstream's ``r_harsh``).
 * ``info["admissible_actions"]`` always lists the valid clicks (``click[...]``) and, on
   the search page, one search (the instruction itself); any ``search[...]`` is valid.
 * The episode is truncated after ``max_steps`` steps without a purchase (default 15).
@@ -35,14 +41,16 @@ import gymnasium as gym
 from branchgym.core import SnapshottableEnv
 from branchgym.envs.webshop import pages as P
 from branchgym.envs.webshop.actions import click_action, parse_action, search_action
-from branchgym.envs.webshop.data import Catalog, load_catalog
+from branchgym.envs.webshop.data import SPLITS, Catalog, load_catalog
 from branchgym.envs.webshop.reward import get_reward
 from branchgym.error import DataError, ResetNeededError, SnapshotCorruptError
 from branchgym.serialization import register_snapshot_types
 
-__all__ = ["WebShopEnv", "EpisodeState", "OBSERVATION_MODES", "TextSpace"]
+__all__ = ["WebShopEnv", "EpisodeState", "INVALID_ACTION_OBS", "OBSERVATION_MODES", "TextSpace"]
 
 OBSERVATION_MODES = ("text", "text_rich", "html")
+#: What an invalid action shows: our message above the page, or upstream's unchanged page.
+INVALID_ACTION_OBS = ("message", "upstream")
 _SUB_PAGES = {name.lower(): name for name in P.SUB_PAGES}
 _MAX_ECHO = 120  # characters of an invalid action quoted back
 
@@ -86,6 +94,8 @@ class EpisodeState(NamedTuple):
     history: tuple[str, ...] = ()  # actions taken (as given; non-strings by repr)
     message: str | None = None  # invalid-action feedback shown above the page
     reward: float = 0.0  # reward of the purchase (done page)
+    split: str | None = None  # the goal split of this episode (None: the env's)
+    prev_obs: tuple[str, ...] = ()  # last num_prev_obs observations before this one
 
 
 # Snapshot bytes may hold it (branchgym.serialization allows only registered types).
@@ -101,7 +111,8 @@ class WebShopEnv(SnapshottableEnv[str, str]):
         observation_mode: ``text`` (`` [SEP] ``-joined strings), ``text_rich`` (marked
             buttons) or ``html``.
         split: Goals to sample at reset: ``train`` (goals 1500+), ``eval`` (500-1499),
-            ``test`` (0-499) or ``all``.
+            ``test`` (0-499), ``all``, or ``agent_test`` (0-499 always). As upstream, with
+            ``num_products`` set, ``train``/``eval``/``test`` are every goal.
         max_steps: Steps before the episode is truncated.
         num_products: Use only the first N products of the data file.
         human_goals: Human-instruction goals (upstream's benchmark) or synthetic ones.
@@ -111,6 +122,13 @@ class WebShopEnv(SnapshottableEnv[str, str]):
         price_seed: Seed of the price draws (range prices, goal price bounds).
         products_file: Products file name in ``data_dir`` if several match.
         attributes_file: Attributes file name in ``data_dir`` if several match.
+        data: Upstream release preset, ``"small"`` or ``"full"`` (see
+            :func:`~branchgym.envs.webshop.data.load_catalog`).
+        human_file: Human-instructions file name (default ``items_human_ins.json``).
+        invalid_action_obs: ``message`` (default: ``Invalid action ...`` above the page)
+            or ``upstream`` (the page unchanged).
+        num_prev_obs: Previous observations prepended to each step's observation.
+        num_prev_actions: Previous actions prepended likewise (upstream's format).
         render_mode: ``ansi`` (``render()`` returns the observation) or ``human``.
     """
 
@@ -133,6 +151,11 @@ class WebShopEnv(SnapshottableEnv[str, str]):
         products_file: str | None = None,
         attributes_file: str | None = None,
         render_mode: str | None = None,
+        data: str | None = None,
+        human_file: str | None = None,
+        invalid_action_obs: str = "message",
+        num_prev_obs: int = 0,
+        num_prev_actions: int = 0,
     ) -> None:
         """Load (or share) the catalog and set up the spaces."""
         if observation_mode not in OBSERVATION_MODES:
@@ -144,6 +167,14 @@ class WebShopEnv(SnapshottableEnv[str, str]):
             raise ValueError(f"max_steps must be a positive int, got {max_steps!r}")
         if render_mode not in (None, *self.metadata["render_modes"]):
             raise ValueError(f"render_mode={render_mode!r}; use None, 'ansi' or 'human'.")
+        if invalid_action_obs not in INVALID_ACTION_OBS:
+            raise ValueError(
+                f"invalid_action_obs={invalid_action_obs!r}; use 'message' (feedback above "
+                "the page) or 'upstream' (the page unchanged)."
+            )
+        for name, n in (("num_prev_obs", num_prev_obs), ("num_prev_actions", num_prev_actions)):
+            if isinstance(n, bool) or not isinstance(n, int) or n < 0:
+                raise ValueError(f"{name} must be an int >= 0, got {n!r}")
         self.catalog: Catalog = load_catalog(
             data_dir,
             num_products=num_products,
@@ -153,6 +184,8 @@ class WebShopEnv(SnapshottableEnv[str, str]):
             human_goals=human_goals,
             products_file=products_file,
             attributes_file=attributes_file,
+            data=data,
+            human_file=human_file,
         )
         self.split = split
         self.split_goals = self.catalog.split_range(split)  # typed error if empty/unknown
@@ -160,12 +193,16 @@ class WebShopEnv(SnapshottableEnv[str, str]):
         self.max_steps = max_steps
         self.show_attrs = bool(show_attrs)
         self.render_mode = render_mode
+        self.invalid_action_obs = invalid_action_obs
+        self.num_prev_obs = num_prev_obs
+        self.num_prev_actions = num_prev_actions
         self.observation_space = TextSpace(1_000_000)
         self.action_space = TextSpace(4096)
         self.state: EpisodeState | None = None
         self.step_index = 0
         self._page: P.Page | None = None
         self._obs = ""
+        self._raw_obs = ""  # the page's observation, without the history
 
     # ------------------------------------------------------------------ gym API
     def reset(self, *, seed: int | None = None, options: dict[str, Any] | None = None):
@@ -184,7 +221,7 @@ class WebShopEnv(SnapshottableEnv[str, str]):
             raise ValueError(
                 f"unknown reset options {sorted(options)}; WebShop takes 'goal_index' and 'split'."
             )
-        rng = self.catalog.split_range(split) if split != self.split else self.split_goals
+        rng = self._split_goals(split)
         if goal_index is None:
             goal = self._draw_goal(rng)
         else:
@@ -196,12 +233,14 @@ class WebShopEnv(SnapshottableEnv[str, str]):
                     f"{len(rng)} goals (0..{len(rng) - 1})."
                 )
             goal = rng[goal_index]
-        return self._enter(EpisodeState(goal=goal, page="search"))
+        return self._enter(EpisodeState(goal=goal, page="search", split=split))
 
     def step(self, action: Any):
         """Apply ``search[query]`` or ``click[target]``; anything else is invalid feedback."""
         st = self._require_live()
         page = self._page
+        if self.num_prev_obs:  # upstream's prev_obs: the observations before this step's
+            st = st._replace(prev_obs=(st.prev_obs + (self._raw_obs,))[-self.num_prev_obs :])
         limit = self.action_space.max_length
         if isinstance(action, str) and len(action) > limit:
             # Outside the action space: refused, and only its head is kept in the state,
@@ -342,14 +381,28 @@ class WebShopEnv(SnapshottableEnv[str, str]):
         page = self._build_page(st)
         self.state, self._page, self.step_index = st, page, st.step
         text = P.render(page, self.observation_mode)
-        if st.message is not None:
+        if st.message is not None and self.invalid_action_obs == "message":
             sep = " [SEP] " if self.observation_mode == "text" else "\n"
             text = st.message + sep + text
+        self._raw_obs = text
+        if self.num_prev_obs or self.num_prev_actions:
+            text = self._with_history(st, text)
         self._obs = text
         return text, self._info(st, page)
 
+    def _with_history(self, st: EpisodeState, ob: str) -> str:
+        """Upstream's ``WebAgentTextEnv.step`` state: recent observations and actions."""
+        parts = [ob]
+        for i in range(1, 1 + max(self.num_prev_obs, self.num_prev_actions)):
+            if len(st.history) >= i and self.num_prev_actions >= i:
+                parts.append(st.history[-i])
+            if len(st.prev_obs) >= i and self.num_prev_obs >= i:
+                parts.append(st.prev_obs[-i])
+        return " [SEP] ".join(reversed(parts))
+
     def _info(self, st: EpisodeState, page: P.Page) -> dict[str, Any]:
         goal = self.catalog.goals[st.goal]
+        split = self.split if st.split is None else st.split
         clickables = [c for c in page.clickables if c != "search"]
         if page.has_search_bar:
             admissible = [search_action(goal["instruction_text"].lower())]
@@ -366,6 +419,9 @@ class WebShopEnv(SnapshottableEnv[str, str]):
             "instruction": goal["instruction_text"],
             "page": st.page,
             "goal_index": st.goal,
+            "split": split,
+            "split_index": st.goal - self._split_goals(split).start,
+            "won": st.page == "done" and st.reward == 1,
             "step": st.step,
             "invalid_action": st.message is not None,
         }
@@ -378,6 +434,9 @@ class WebShopEnv(SnapshottableEnv[str, str]):
                 "price": self.catalog.prices[st.item],
             }
         return info
+
+    def _split_goals(self, split: str) -> range:
+        return self.split_goals if split == self.split else self.catalog.split_range(split)
 
     def _require_live(self) -> EpisodeState:
         st = self.state
@@ -418,6 +477,7 @@ class WebShopEnv(SnapshottableEnv[str, str]):
             or not -1 <= state.item < len(self.catalog.products)
             or (state.page in ("item", "done", *_SUB_PAGES.values()) and state.item < 0)
             or any(not 0 <= i < len(self.catalog.products) for i in state.results)
+            or not (state.split is None or state.split in SPLITS)
         ):
             raise SnapshotCorruptError(
                 f"WebShop snapshot payload is malformed ({state!r:.100}); take a new snapshot "
@@ -431,4 +491,7 @@ class WebShopEnv(SnapshottableEnv[str, str]):
             self.observation_mode,
             self.max_steps,
             self.show_attrs,
+            self.invalid_action_obs,
+            self.num_prev_obs,
+            self.num_prev_actions,
         )

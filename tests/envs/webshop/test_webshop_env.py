@@ -137,6 +137,7 @@ def test_splits_follow_upstream():
         "eval": (500, 1500),
         "train": (1500, None),
         "all": (0, None),
+        "agent_test": (0, 500),
     }
     assert len(cat.split_range("test")) == 500 and len(cat.split_range("eval")) == 1000
     assert len(cat.split_range("train")) == len(cat.goals) - 1500 > 500
@@ -152,6 +153,10 @@ def test_splits_follow_upstream():
         env.reset(options={"goal": 1})
     a = env.reset(seed=7)[1]["goal_index"]
     assert a == env.reset(seed=7)[1]["goal_index"] and a >= 1500  # default split: train
+    _, info = env.reset(options={"split": "eval", "goal_index": 3})
+    assert (info["split"], info["goal_index"], info["split_index"]) == ("eval", 503, 3)
+    assert info["won"] is False
+    assert env.unwrapped.catalog.split_range("agent_test") == range(500)
 
 
 def test_goals_have_upstream_fields_and_price_bounds():
@@ -239,7 +244,7 @@ def test_missing_and_malformed_data_are_typed_errors(tmp_path, monkeypatch):
     with pytest.raises(DataError, match="does not exist"):
         WebShopEnv(data_dir=str(tmp_path / "nope"))
     monkeypatch.setenv("BRANCHGYM_WEBSHOP_DATA", str(tmp_path))
-    with pytest.raises(DataError, match=r"no items_shuffle\*\.json"):
+    with pytest.raises(DataError, match=r"not a complete WebShop data folder"):
         WebShopEnv()
     monkeypatch.delenv("BRANCHGYM_WEBSHOP_DATA")
     d = webshop_data.write_catalog(tmp_path / "a")
@@ -265,7 +270,7 @@ def test_missing_and_malformed_data_are_typed_errors(tmp_path, monkeypatch):
         load_catalog(d)
     (d / "items_shuffle_1000.json").rename(d / "items_shuffle_a.json")
     (d / "items_shuffle_b.json").write_text("[]")
-    with pytest.raises(DataError, match="several items_shuffle.*products_file="):
+    with pytest.raises(DataError, match="several WebShop data files.*products_file="):
         load_catalog(d)
 
 
