@@ -36,6 +36,7 @@ from branchgym.core import Snapshot, SnapshottableEnv
 from branchgym.digest import stable_hash
 from branchgym.envs.alfworld.problems import Problem, load_problems
 from branchgym.error import (
+    DataError,
     GameLoadError,
     InvalidActionError,
     ResetNeededError,
@@ -100,6 +101,16 @@ class ALFWorldEnv(SnapshottableEnv[str, str]):
             sets), the path of real ALFWorld ``.tw-pddl`` games (a file or a folder) or of
             a ``.jsonl(.gz)`` problem file, or a sequence of
             :class:`~branchgym.envs.alfworld.problems.Problem`.
+        data_dir: ALFWorld's real data (the ``json_2.1.1`` folder): plays the games of
+            ``split`` that ALFWorld itself would, filtered and ordered as ALFWorld does
+            (:mod:`branchgym.envs.alfworld.dataset`); replaces ``problems``.
+        split: With ``data_dir``: ``train`` (default, as ALFWorld), ``valid_seen``,
+            ``valid_unseen`` or ``valid_train``.
+        task_types: With ``data_dir``: task-type ids 1-6 or names to keep (default all).
+        num_games: With ``data_dir``: keep the first N games (ALFWorld's
+            ``num_train_games``/``num_eval_games``; default all).
+        game_order: With ``data_dir``: ``upstream`` (``os.walk`` order, as ALFWorld) or
+            ``sorted`` (the same on every machine).
         snapshot_mode: ``auto``, ``portable`` or ``replay`` (see the module doc).
         expert_plan_in_info: Add the planner's plan from the current state to every info
             as ``expert_plan`` (what alfworld's planner expert provides; costs a search).
@@ -118,6 +129,11 @@ class ALFWorldEnv(SnapshottableEnv[str, str]):
         self,
         problems: str | os.PathLike[str] | Sequence[Problem] = "in_distribution",
         *,
+        data_dir: str | os.PathLike[str] | None = None,
+        split: str | None = None,
+        task_types: Sequence[int | str] | None = None,
+        num_games: int | None = None,
+        game_order: str = "upstream",
         snapshot_mode: str = "auto",
         expert_plan_in_info: bool = False,
         render_mode: str | None = None,
@@ -132,7 +148,28 @@ class ALFWorldEnv(SnapshottableEnv[str, str]):
         if render_mode is not None and render_mode not in self.metadata["render_modes"]:
             raise ValueError(f"render_mode={render_mode!r}; choose 'ansi' or 'human'")
         require_engine()
-        self.problems: tuple[Problem, ...] = load_problems(problems)
+        if data_dir is not None:
+            if not (isinstance(problems, str) and problems == "in_distribution"):
+                raise DataError(
+                    "give either problems= or data_dir= (ALFWorld's json_2.1.1 with a split), "
+                    "not both"
+                )
+            from branchgym.envs.alfworld.dataset import load_split
+
+            self.problems: tuple[Problem, ...] = load_split(
+                data_dir,
+                split or "train",
+                task_types=task_types,
+                num_games=num_games,
+                order=game_order,
+            )
+        elif split is not None or task_types is not None or num_games is not None:
+            raise DataError(
+                "split=, task_types= and num_games= select from ALFWorld's real data: give "
+                "data_dir= (the json_2.1.1 folder) too, or choose a shipped set with problems="
+            )
+        else:
+            self.problems = load_problems(problems)
         self._names = {p.name: i for i, p in enumerate(self.problems)}
         self.snapshot_mode = snapshot_mode
         self.snapshot_kind = SNAPSHOT_MODES[snapshot_mode]  # type: ignore[misc]
@@ -228,6 +265,7 @@ class ALFWorldEnv(SnapshottableEnv[str, str]):
             "task": problem.goal,
             "task_type": problem.task_type,
             "problem": problem.name,
+            "gamefile": problem.gamefile or None,
             "invalid_action": self._invalid,
         }
         if self.expert_plan_in_info:

@@ -57,6 +57,7 @@ __all__ = [
     "generate_split",
     "load_problem_set",
     "load_problems",
+    "load_tw_pddl",
     "save_problems",
     "export_tw_pddl",
     "mangle",
@@ -302,6 +303,7 @@ class Problem:
         layout: The room layout it was generated on (empty for real games).
         split: The set it belongs to (``in_distribution``, ``generated``, a path, ...).
         num_receptacles: Receptacles in the room.
+        gamefile: The ``game.tw-pddl`` it was loaded from (empty for generated problems).
     """
 
     name: str
@@ -314,6 +316,7 @@ class Problem:
     layout: str = ""
     split: str = ""
     num_receptacles: int = 0
+    gamefile: str = ""
 
     @property
     def expert_plan_length(self) -> int | None:
@@ -834,7 +837,7 @@ def load_problem_set(split: str) -> tuple[Problem, ...]:
 _GOAL_IN_GRAMMAR = re.compile(r'"rhs":\s*"Your task is to: (.*?)\.?"')
 
 
-def _load_tw_pddl(path: Path, root: Path) -> Problem | None:
+def load_tw_pddl(path: Path, root: Path) -> Problem | None:
     """A real ALFWorld game file; ``None`` for games ALFWorld marks unsolvable."""
     try:
         data = json.loads(path.read_text(encoding="utf-8"))
@@ -870,6 +873,7 @@ def _load_tw_pddl(path: Path, root: Path) -> Problem | None:
         grammar=grammar,
         expert_plan=tuple(walkthrough) if walkthrough else None,
         split=str(root),
+        gamefile=str(path),
     )
 
 
@@ -900,14 +904,14 @@ def load_problems(source: str | os.PathLike[str] | Sequence[Problem]) -> tuple[P
         )
     if path.is_dir():
         games = sorted(path.rglob("*.tw-pddl"))
-        problems = tuple(p for g in games if (p := _load_tw_pddl(g, path)) is not None)
+        problems = tuple(p for g in games if (p := load_tw_pddl(g, path)) is not None)
         if not problems:
             raise DataError(f"no solvable ALFWorld .tw-pddl games under {path}")
         return problems
     if path.name.endswith((".jsonl", ".jsonl.gz")):
         return tuple(_read_jsonl(path, label=str(path)))
     if path.suffix == ".tw-pddl":
-        problem = _load_tw_pddl(path, path.parent)
+        problem = load_tw_pddl(path, path.parent)
         if problem is None:
             raise DataError(f"{path} is marked unsolvable ('solvable': false)")
         return (problem,)

@@ -299,7 +299,14 @@ def test_out_of_distribution_and_user_games(tmp_path):
     for e in (a, b):
         e.reset(options={"problem": 1})
     plan = list(problems[1].expert_plan)
-    assert run_actions(a, plan) == run_actions(b, plan)
+    from_files, from_list = run_actions(a, plan), run_actions(b, plan)
+    assert (
+        from_files[0][4]["gamefile"].endswith("game.tw-pddl")
+        and from_list[0][4]["gamefile"] is None
+    )
+    for row in from_files + from_list:
+        del row[4]["gamefile"]  # where the game came from; everything else is the same
+    assert from_files == from_list
     a.close()
     b.close()
 
@@ -669,3 +676,125 @@ def test_alfworld_command_solves_and_generates(tmp_path, capsys):
     out = tmp_path / "gen.jsonl.gz"
     assert main(["alfworld", "generate", "--n", "2", "--seed", "4", "--out", str(out)]) == 0
     assert len(load_problems(out)) == 2
+
+
+# ------------------------------------------------------------------ ALFWorld's real data layout
+
+
+def _upstream_tree(tmp_path):
+    """json_2.1.1 with good trials and one of each kind ALFWorld skips."""
+    from branchgym.envs.alfworld.problems import export_tw_pddl
+
+    root = tmp_path / "json_2.1.1"
+    problems = load_problem_set("in_distribution")
+    good = {"valid_seen": problems[:3], "train": problems[3:5]}
+    for split, ps in good.items():
+        for p in ps:
+            export_tw_pddl(dataclasses.replace(p, name=f"{p.name}/trial_T0001"), root / split)
+    seen = root / "valid_seen"
+
+    def trial(name, task_type, game):
+        d = seen / name / "trial_T0002"
+        d.mkdir(parents=True)
+        (d / "traj_data.json").write_text(json.dumps({"task_type": task_type}))
+        if game is not None:
+            (d / "game.tw-pddl").write_text(json.dumps(game))
+        return d
+
+    base = problems[0].game()
+    skipped = {
+        "movable_or_sliced": [
+            trial(
+                "pick_and_place_with_movable_recep-Pen-Bowl-Desk-1",
+                "pick_and_place_simple",
+                {**base, "solvable": True},
+            ),
+            trial(
+                "pick_heat_then_place_in_recep-AppleSliced-None-Fridge-2",
+                "pick_heat_then_place_in_recep",
+                {**base, "solvable": True},
+            ),
+        ],
+        "task_type": [
+            trial("look_at_obj-Book-None-Lamp-3", "look_at_obj", {**base, "solvable": True})
+        ],
+        "missing_game": [
+            trial("pick_and_place_simple-Mug-None-Shelf-4", "pick_and_place_simple", None)
+        ],
+        "missing_solvable": [
+            trial("pick_and_place_simple-Cup-None-Shelf-5", "pick_and_place_simple", base)
+        ],
+        "unsolvable": [
+            trial(
+                "pick_and_place_simple-Egg-None-Sink-6",
+                "pick_and_place_simple",
+                {**base, "solvable": False},
+            )
+        ],
+    }
+    # a folder without traj_data.json is not a trial at all
+    (seen / "README").mkdir()
+    (seen / "README" / "game.tw-pddl").write_text(json.dumps({**base, "solvable": True}))
+    return root, good, skipped
+
+
+def test_real_data_is_filtered_and_ordered_as_alfworld_does(tmp_path):
+    from branchgym.envs.alfworld.dataset import collect_game_files, load_split
+
+    root, good, skipped = _upstream_tree(tmp_path)
+    files = collect_game_files(root, "valid_seen")
+    # ALFWorld's own walk: bottom-up os.walk, trial folders with traj_data.json, in that order
+    walk = [d for d, _, f in os.walk(root / "valid_seen", topdown=False) if "traj_data.json" in f]
+    kept = [str(g.parent) for g in files.games]
+    assert kept == [d for d in walk if d in kept]
+    assert sorted(g.parent.parent.name for g in files.games) == sorted(
+        p.name for p in good["valid_seen"]
+    )
+    assert {k: sorted(v) for k, v in files.skipped.items()} == {
+        k: sorted(v) for k, v in skipped.items()
+    }
+    problems = load_split(root, "valid_seen", order="sorted")
+    assert [p.gamefile for p in problems] == sorted(str(g) for g in files.games)
+    assert all(p.split == "valid_seen" for p in problems)
+    train = load_split(root, "train")
+    assert sorted(p.goal for p in train) == sorted(p.goal for p in good["train"])
+    assert len(load_split(root, "valid_seen", num_games=2)) == 2
+    only = load_split(root, "valid_seen", task_types=[good["valid_seen"][0].task_type])
+    assert {p.task_type for p in only} == {good["valid_seen"][0].task_type}
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"split": "test"}, "choose one of"),
+        ({"split": "valid_unseen"}, "has no valid_unseen/ folder"),
+        ({"task_types": [9]}, "unknown ALFWorld task type"),
+        ({"order": "random"}, "choose 'upstream' or 'sorted'"),
+    ],
+)
+def test_real_data_mistakes_are_typed_errors(tmp_path, kwargs, match):
+    from branchgym.envs.alfworld.dataset import collect_game_files
+
+    root, _, _ = _upstream_tree(tmp_path)
+    with pytest.raises(DataError, match=match):
+        collect_game_files(root, **kwargs)
+    with pytest.raises(DataError, match="point it at json_2.1.1"):
+        collect_game_files(tmp_path / "nowhere")
+    with pytest.raises(DataError, match="no playable ALFWorld game"):
+        collect_game_files(root, "valid_seen", task_types=[2, 6])
+
+
+@needs_engine
+def test_the_env_plays_alfworld_real_data_with_its_gamefile_in_info(tmp_path):
+    root, good, _ = _upstream_tree(tmp_path)
+    env = gym.make(ID, data_dir=str(root), split="valid_seen", game_order="sorted")
+    _, info = env.reset(options={"problem": 0})
+    assert info["gamefile"].endswith("game.tw-pddl") and str(root) in info["gamefile"]
+    plan = next(p for p in good["valid_seen"] if p.goal == info["task"]).expert_plan
+    *_, (obs, reward, term, _, info) = [env.step(a) for a in plan]
+    assert reward == 1.0 and term and info["won"]
+    env.close()
+    with pytest.raises(DataError, match="either problems= or data_dir="):
+        gym.make(ID, problems="out_of_distribution", data_dir=str(root))
+    with pytest.raises(DataError, match="give data_dir="):
+        gym.make(ID, split="valid_seen")
