@@ -203,3 +203,82 @@ def test_history_options_use_upstreams_format(data_dir):
     other, _ = _fixture_env(data_dir)
     with env.snapshot() as snap, pytest.raises(Exception, match="differ"):
         other.restore(snap)  # a different history setting is a different env
+
+
+# ------------------------------------------------------------------------- search
+
+
+def test_tokenizer_follows_standard_tokenizer():
+    from branchgym.envs.webshop.search import tokenize
+
+    assert tokenize("Only $1,299.99 for the T-Shirt!") == [
+        "only",
+        "1,299.99",
+        "for",
+        "the",
+        "t",
+        "shirt",
+    ]
+    assert tokenize("don't l'eau runner\u2019s U.S.A. 64GB 6.76oz") == [
+        "don't", "l'eau", "runner\u2019s", "u.s.a", "64gb", "6.76oz",
+    ]  # fmt: skip
+    assert tokenize("size:large 16:9 a,b 1,2 80's x-large 3-pack") == [
+        "size:large", "16", "9", "a", "b", "1,2", "80", "s", "x", "large", "3", "pack",
+    ]  # fmt: skip
+    assert tokenize("茶叶 tea") == ["茶", "叶", "tea"] and tokenize("a" * 300) == [
+        "a" * 255,
+        "a" * 45,
+    ]
+
+
+def test_length_norms_are_lucenes_small_float():
+    from branchgym.envs.webshop.search import byte4_to_int, int_to_byte4
+
+    assert [int_to_byte4(n) for n in range(24)] == list(range(24))  # exact below 24
+    decoded = [byte4_to_int(b) for b in range(256)]
+    assert decoded == sorted(set(decoded)) and decoded[255] == 24 + (15 << 27)
+    for n in [*range(200), 1000, 12345, 2**31 - 1]:
+        b = int_to_byte4(n)
+        assert 0 <= b <= 255 and byte4_to_int(b) <= n  # rounded down ...
+        assert b == 255 or byte4_to_int(b + 1) > n  # ... to the largest code not above n
+    assert [byte4_to_int(int_to_byte4(n)) for n in (40, 41, 47, 100)] == [40, 40, 46, 96]
+
+
+def test_scores_are_lucenes_float32_formula(data_dir):
+    import numpy as np
+
+    from branchgym.envs.webshop.search import analyze, byte4_to_int, int_to_byte4
+
+    idx = load_catalog(data_dir).index
+    q = "acme tea tree shampoo shampoo"
+    got = idx.scores(q)
+    n, avgdl = idx.n_docs, np.float32(idx.lengths.sum() / idx.n_docs)
+    f32 = np.float32
+    want = np.zeros(n)
+    from collections import Counter
+
+    for term, boost in Counter(analyze(q)).items():
+        t = idx.vocab[term]
+        docs = idx.docs[idx.indptr[t] : idx.indptr[t + 1]]
+        tfs = idx.tfs[idx.indptr[t] : idx.indptr[t + 1]]
+        w = f32(boost) * f32(np.log(1 + (n - len(docs) + 0.5) / (len(docs) + 0.5)))
+        for d, tf in zip(docs, tfs, strict=True):
+            dl = f32(byte4_to_int(int_to_byte4(int(idx.lengths[d]))))
+            inv = f32(1) / (f32(0.9) * ((f32(1) - f32(0.4)) + f32(0.4) * dl / avgdl))
+            want[d] += float(w - w / (f32(1) + f32(tf) * inv))
+    assert np.array_equal(got, want.astype(np.float32))
+
+
+def test_agreement_with_an_exact_reference(data_dir):
+    from branchgym.bench.webshop import exact_bm25_ranking, search_agreement
+
+    cat = load_catalog(data_dir)
+    queries = ["filler shampoo", "acme tea tree shampoo", "running shoes navy", "daily"]
+    for q in queries:  # short documents: norms are exact, rankings the same
+        assert exact_bm25_ranking(cat.index, q, 10) == cat.index.search(q)[:10]
+    a = search_agreement(cat, queries)
+    assert a["page1_same_order"] == a["top1_same"] == a["page1_overlap"] == 1.0
+    big = load_catalog()
+    goals = [g["instruction_text"].lower() for g in big.goals[:40]]
+    b = search_agreement(big, goals)
+    assert b["top1_same"] >= 0.9 and b["page1_overlap"] >= 0.95
