@@ -42,7 +42,7 @@ from branchgym.core import SnapshottableEnv
 from branchgym.envs.webshop import pages as P
 from branchgym.envs.webshop.actions import click_action, parse_action, search_action
 from branchgym.envs.webshop.data import SPLITS, Catalog, load_catalog
-from branchgym.envs.webshop.reward import get_reward
+from branchgym.envs.webshop.reward import get_reward, warn_if_heuristic_on_real_data
 from branchgym.error import DataError, ResetNeededError, SnapshotCorruptError
 from branchgym.serialization import register_snapshot_types
 
@@ -187,6 +187,7 @@ class WebShopEnv(SnapshottableEnv[str, str]):
             data=data,
             human_file=human_file,
         )
+        warn_if_heuristic_on_real_data(self.catalog.source, self.catalog.products)
         self.split = split
         self.split_goals = self.catalog.split_range(split)  # typed error if empty/unknown
         self.observation_mode = observation_mode

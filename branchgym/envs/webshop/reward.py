@@ -21,12 +21,18 @@ Title nouns: upstream tags both names with spaCy (``en_core_web_lg``) and keeps
 precomputed list carried by the product (``title_nouns``) or goal (``name_nouns``),
 from spaCy when a model is installed, or from a documented token heuristic
 (:func:`heuristic_nouns`), which approximates spaCy and is not bit-identical to it.
+Install the ``webshop-spacy`` extra and a model (offline: ``pip install
+./en_core_web_lg-3.8.0-py3-none-any.whl``) to grade real data as upstream does; real
+data graded with the heuristic is warned about once per process
+(:func:`warn_if_heuristic_on_real_data`).
 """
 
 from __future__ import annotations
 
 import functools
+import logging
 import re
+import warnings
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
@@ -43,7 +49,11 @@ __all__ = [
     "title_nouns",
     "heuristic_nouns",
     "noun_backend",
+    "warn_if_heuristic_on_real_data",
 ]
+
+logger = logging.getLogger(__name__)
+_WARNED: set[str] = set()
 
 #: Upstream's price grid for goal price bounds: 10, 20, ..., 990 dollars.
 PRICE_RANGE: tuple[float, ...] = tuple(10.0 * i for i in range(1, 100))
@@ -129,6 +139,30 @@ def noun_backend() -> str:
     """``spacy:<model>`` when a spaCy model is installed, else ``heuristic``."""
     nlp = _spacy_nlp()
     return f"spacy:{nlp.meta.get('name', '?')}" if nlp is not None else "heuristic"
+
+
+def warn_if_heuristic_on_real_data(source: str, products: Iterable[Mapping[str, Any]]) -> bool:
+    """Warn once per data source when real data will be graded with the noun heuristic.
+
+    That is: no spaCy model is installed and a product has no precomputed
+    ``title_nouns``. Warns with ``warnings.warn`` and the module's logger; returns
+    whether the heuristic grades this real data.
+    """
+    if source == "generated" or all("title_nouns" in p for p in products):
+        return False
+    if noun_backend() != "heuristic":
+        return False
+    if source not in _WARNED:
+        _WARNED.add(source)
+        msg = (
+            f"WebShop data {source!r} is graded with the title-noun HEURISTIC, not spaCy as "
+            "upstream: the type factor r_type can differ from upstream's. Install spaCy and "
+            "an English model (pip install 'branchgym[webshop-spacy]' and, offline, pip "
+            "install ./en_core_web_lg-3.8.0-py3-none-any.whl) to grade as upstream does."
+        )
+        warnings.warn(msg, UserWarning, stacklevel=3)
+        logger.warning(msg)
+    return True
 
 
 @functools.lru_cache(maxsize=200_000)

@@ -282,3 +282,50 @@ def test_agreement_with_an_exact_reference(data_dir):
     goals = [g["instruction_text"].lower() for g in big.goals[:40]]
     b = search_agreement(big, goals)
     assert b["top1_same"] >= 0.9 and b["page1_overlap"] >= 0.95
+
+
+# ---------------------------------------------------------------------- title nouns
+
+
+def test_real_data_graded_with_the_heuristic_warns_once(data_dir, monkeypatch, caplog):
+    from branchgym.envs.webshop import reward
+
+    monkeypatch.setattr(reward, "noun_backend", lambda: "heuristic")
+    monkeypatch.setattr(reward, "_WARNED", set())
+    cat = load_catalog(data_dir)
+    with pytest.warns(UserWarning, match="title-noun HEURISTIC"):
+        WebShopEnv(data_dir=data_dir, split="all")
+    assert "HEURISTIC" in caplog.text and "webshop-spacy" in caplog.text
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # once per source: no second warning
+        WebShopEnv(data_dir=data_dir, split="all")
+        assert reward.warn_if_heuristic_on_real_data(cat.source, cat.products)
+        gen = load_catalog()  # generated data carries its nouns: nothing to warn about
+        assert not reward.warn_if_heuristic_on_real_data(gen.source, gen.products)
+    monkeypatch.setattr(reward, "noun_backend", lambda: "spacy:en_core_web_lg")
+    monkeypatch.setattr(reward, "_WARNED", set())
+    assert not reward.warn_if_heuristic_on_real_data(cat.source, cat.products)
+
+
+def test_heuristic_nouns_grade_the_type_factor():
+    from branchgym.envs.webshop.reward import get_type_reward, heuristic_nouns
+
+    goal = {"query": "a", "product_category": "x › y", "name": "Acme Tea Tree Shampoo"}
+    same = {"query": "b", "product_category": "p › q", "name": "Bolt Tea Tree Shampoo 16oz"}
+    other = {"query": "b", "product_category": "p › q", "name": "Running Shoes"}
+    assert heuristic_nouns(goal["name"]) == ["acme", "tea", "tree", "shampoo"]
+    assert get_type_reward(same, goal)["r_type"] == 1.0  # 3 of 4 nouns shared
+    assert get_type_reward(other, goal)["r_type"] == 0.0
+
+
+def test_spacy_nouns_when_a_model_is_installed():
+    pytest.importorskip("spacy")
+    from branchgym.envs.webshop import reward
+
+    if reward.noun_backend() == "heuristic":
+        pytest.skip("no spaCy English model installed (en_core_web_lg/md/sm)")
+    assert reward.noun_backend().startswith("spacy:")
+    nouns = reward.title_nouns("Organic Green Tea Bags, 100 Count")
+    assert "tea" in nouns and "bags" in nouns and "100" not in nouns
