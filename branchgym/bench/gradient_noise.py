@@ -270,7 +270,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
         help="learners, each optionally with options: grpo rloo bpo 'bpo:lam=0.9,tail=zero'",
     )
     parser.add_argument(
-        "--batches", type=positive_int, default=150, help="independent batches per learner (150)"
+        "--batches", type=positive_int, default=100, help="independent batches per learner (100)"
     )
     parser.add_argument("--prompts", type=positive_int, default=4, help="prompts per batch (4)")
     parser.add_argument("--seed", type=seed_int, default=0, help="first seed of the draws (0)")
@@ -370,7 +370,9 @@ def main(args: argparse.Namespace) -> int:
         "- tr Cov / n); *cosine*: between the mean of the even and of the odd batches; "
         f"*matched tokens*: NSR x tokens per batch / {ref}'s tokens per batch. Var‖g‖ is "
         "the variance of the gradient norm over batches at this fixed policy (the quantity "
-        f"bench learning reports over a moving policy). Wall time {wall:.0f} s."
+        f"bench learning reports over a moving policy). Batch i of every learner uses the "
+        "same prompts and sampling seeds (seed, i): GRPO and RLOO see identical rollouts and "
+        f"differ only in their advantages. Wall time {wall:.0f} s."
     )
     print(report.table(HEAD, table_rows(results)))
     lines = []
@@ -396,9 +398,13 @@ def main(args: argparse.Namespace) -> int:
     axes[0].set_ylabel("noise-to-signal tr Cov / |mean|^2")
     axes[0].set_title(f"per batch of {args.prompts} prompts")
     axes[0].legend(fontsize=8)
-    axes[1].bar(x, [results[k]["cosine"] for k in labels], color="tab:green")
+    cos = [results[k]["cosine"] for k in labels]
+    axes[1].bar(x, cos, color="tab:green")
+    for i, c in enumerate(cos):
+        axes[1].annotate(f"{c:.3f}", (i, c), ha="center", va="bottom", fontsize=8)
     axes[1].set_xticks(x, labels, fontsize=8)
-    axes[1].set_ylim(min(0.0, min(results[k]["cosine"] for k in labels)), 1.0)
+    finite = [c for c in cos if np.isfinite(c)] or [0.0]
+    axes[1].set_ylim(max(-1.0, min(finite) - 0.1 * (1.0 - min(finite)) - 0.01), 1.0)
     axes[1].set_ylabel("cosine, mean of half A vs half B")
     axes[1].set_title(f"{args.batches // 2} + {args.batches - args.batches // 2} batches")
     report.figure(
