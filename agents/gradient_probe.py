@@ -108,8 +108,11 @@ def surrogate_gradient(
     batch: Batch,
     loss_fn: Callable[[Chunk], tuple[Tensor, dict[str, float]]],
     weight: Callable[[Batch, list[int]], float] | None = None,
+    rows: Sequence[int] | None = None,
 ) -> Tensor:
-    """The batch's policy gradient at ratio 1 (ascent direction), flattened; weights unchanged.
+    """The policy gradient of ``rows`` (default all) at ratio 1 (ascent), flattened.
+
+    The weights are left unchanged and no gradient is left behind on them.
 
     Same chunks and chunk weights as :meth:`Run.update`; ``old_logp`` of each chunk is
     replaced by its current log-probs (detached), so the clip never binds and the
@@ -118,7 +121,7 @@ def surrogate_gradient(
     weight = weight or token_weight
     params = [p for p in run.model.parameters() if p.requires_grad]
     run.model.zero_grad(set_to_none=True)
-    rows = list(range(len(batch.rows)))
+    rows = list(range(len(batch.rows))) if rows is None else list(rows)
     chunks = run.chunks(batch, rows)
     weights = [float(weight(batch, c)) for c in chunks]
     total = sum(weights)
@@ -146,17 +149,28 @@ class ProbeRun(Run):
 
     sink: Callable[[BatchGradient], None] | None = None
 
-    def updates(
+    def update(
         self,
         batch: Batch,
+        rows: Sequence[int],
         loss_fn: Callable[[Chunk], tuple[Tensor, dict[str, float]]],
-        **kwargs: Any,
+        *,
+        weight: Callable[[Batch, list[int]], float] | None = None,
+        logit_positions: Callable[[Any], list[int]] | None = None,
     ) -> dict[str, float]:
-        """Hand the batch's surrogate gradient to :attr:`sink`; no optimizer step."""
-        g = surrogate_gradient(self, batch, loss_fn, kwargs.get("weight"))
+        """Hand the surrogate gradient of ``rows`` to :attr:`sink`; no optimizer step.
+
+        With ``updates_per_batch = 1`` (forced by :data:`PROBE_OPTIONS`) ``rows`` is the
+        whole batch, whether the learner calls :meth:`updates` or this directly.
+        """
+        if logit_positions is not None:
+            raise TrainingConfigError(
+                "the gradient probe reads out losses of log-probs only (no full-logit losses)"
+            )
+        g = surrogate_gradient(self, batch, loss_fn, weight, rows)
         paths = sum(len(t.paths()) for t in batch.trees)
         if self.sink is not None:
-            self.sink(BatchGradient(g, batch_tokens(batch), paths, len(batch.rows)))
+            self.sink(BatchGradient(g, token_weight(batch, list(rows)), paths, len(rows)))
         return {"update/skipped": 0.0, "grad/norm": float(g.norm())}
 
     def save(self, folder: str | Path | None = None) -> Path:
