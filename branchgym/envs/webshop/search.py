@@ -195,6 +195,8 @@ class SearchIndex:
             k1 * ((np.float32(1) - b) + b * _LENGTH_TABLE / self.avgdl).astype(np.float32)
         )
         self._norm_inverse = cache.astype(np.float32)
+        # per posting, Lucene's ``1f + freq * normInverse`` (float32), computed once
+        self._denom = np.float32(1) + tfs.astype(np.float32) * self._norm_inverse[self.norms[docs]]
         df = np.diff(indptr).astype(np.float64)
         self.idf = np.log(1.0 + (n - df + 0.5) / (df + 0.5)).astype(np.float32)
 
@@ -288,8 +290,8 @@ class SearchIndex:
         Only products sharing at least one analysed term with the query are returned, as
         a Lucene boolean query of SHOULD clauses would.
         """
-        scores, matched = self._score(query)
-        hits = np.flatnonzero(matched)
+        scores = self._score(query)
+        hits = np.flatnonzero(scores > 0)  # a matched document always scores > 0
         if hits.size > k:
             s = scores[hits]
             kth = np.partition(s, hits.size - k)[hits.size - k]
@@ -299,19 +301,14 @@ class SearchIndex:
 
     def scores(self, query: str) -> np.ndarray:
         """Lucene's BM25 score (float32) of every product for ``query``; 0 if unmatched."""
-        return self._score(query)[0]
+        return self._score(query)
 
-    def _score(self, query: str) -> tuple[np.ndarray, np.ndarray]:
+    def _score(self, query: str) -> np.ndarray:
         counts = Counter(t for t in analyze(query) if t in self.vocab)
         acc = np.zeros(self.n_docs, dtype=np.float64)
-        matched = np.zeros(self.n_docs, dtype=bool)
         for term, boost in counts.items():
             t = self.vocab[term]
             lo, hi = self.indptr[t], self.indptr[t + 1]
-            docs, tf = self.docs[lo:hi], self.tfs[lo:hi]
             weight = np.float32(boost) * self.idf[t]
-            inv = self._norm_inverse[self.norms[docs]]
-            term_score = weight - weight / (np.float32(1) + tf * inv)
-            acc[docs] += term_score.astype(np.float32)
-            matched[docs] = True
-        return acc.astype(np.float32), matched
+            acc[self.docs[lo:hi]] += weight - weight / self._denom[lo:hi]  # float32 scores
+        return acc.astype(np.float32)
