@@ -1,6 +1,7 @@
 """WebShop's search engine: Lucene's BM25 over upstream's document text.
 
-Upstream indexes one document per product with pyserini 0.17 (Anserini on Lucene 8/9):
+Upstream indexes one document per product with pyserini 0.17.0 (its requirements pin;
+Anserini 0.14.3 on Lucene 8.11):
 the lowercased ``title + description + first bullet point + option text``
 (``search_engine/convert_product_file_format.py``), analysed by Anserini's default
 English analyzer (StandardTokenizer, English possessive filter, lowercase, Lucene's 33
@@ -19,10 +20,11 @@ This module reproduces Lucene's arithmetic, not just the formula:
 * **Document length** is stored as Lucene's one-byte norm (``SmallFloat.intToByte4``:
   exact below 24 tokens, then 4 significant bits, rounded down) and decoded with
   ``byte4ToInt``; the average length is exact (``sumTotalTermFreq / docCount``).
-* **Scores** are float32 as in Lucene: ``idf = (float) log(1 + (N - df + 0.5) /
-  (df + 0.5))``, ``weight = boost * idf``, ``cache[norm] = 1 / (k1 * ((1 - b) + b *
-  len[norm] / avgdl))``, term score ``weight - weight / (1 + tf * cache[norm])``,
-  clauses summed in double and cast to float; ties by document id (catalog order).
+* **Scores** are float32 as in Lucene 8.4+'s ``BM25Similarity`` (no ``k1 + 1``
+  factor): ``idf = (float) log(1 + (N - df + 0.5) / (df + 0.5))``, ``weight = boost *
+  idf``, ``cache[norm] = 1 / (k1 * ((1 - b) + b * len[norm] / avgdl))``, term score
+  ``weight - weight / (1 + tf * cache[norm])``, clauses summed in double and cast to
+  float; ties by document id (catalog order).
 
 PyStemmer's ``porter`` (Snowball's rendering of Porter's algorithm) stands in for
 Lucene's ``PorterStemmer``; they agree on ordinary English words. The index (an
