@@ -279,6 +279,12 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--split", default="test", help="goal split (default: test, 500 goals)")
     parser.add_argument("--limit", type=int, default=None, help="only the first N goals")
     parser.add_argument("--data-dir", default=None, help="real WebShop data folder")
+    parser.add_argument(
+        "--data",
+        choices=("small", "full"),
+        default=None,
+        help="which upstream release in --data-dir (needed when the folder holds both)",
+    )
     parser.add_argument("--quick", action="store_true", help="first 50 goals only (CI)")
 
 
@@ -286,7 +292,7 @@ def main(args: argparse.Namespace) -> int:
     """Run the scripted expert on a goal split and report its reward."""
     from branchgym.envs.webshop.expert import run_expert
 
-    env = gym.make("branchgym/WebShop-v0", data_dir=args.data_dir, split=args.split)
+    env = gym.make("branchgym/WebShop-v0", data_dir=args.data_dir, data=args.data, split=args.split)
     n = len(env.unwrapped.split_goals)
     limit = 50 if args.quick else args.limit
     goals = range(min(n, limit) if limit else n)
