@@ -279,6 +279,20 @@ def _tables(report: Report, results: dict, maze_set: dict) -> dict[str, Any]:
         ["maze", "estimator"] + [f"t={t}" for t in range(width)],
         [r + [""] * (width + 2 - len(r)) for r in drows],
     )
+    prows = []
+    for m in results:
+        for e in ESTIMATORS:
+            pre = results[m]["mid"][e]["prefix"]
+            if ESTIMATORS[e][0].kind == "tree":
+                prows.append(
+                    [m, e, pre["second_moment_share"], pre["mean_norm_ratio"], pre["cosine"]]
+                )
+    report.add(
+        "## Before the first branch point (mid policy)\n\nThe part of g made by backbone "
+        "decisions above the first branch point: its share of E|g|^2, the norm of its mean "
+        "relative to |g*|, and its mean's cosine to g* (n/a: no such decisions)."
+    )
+    report.table(["maze", "estimator", "share of E|g|^2", "|E g_pre|/|g*|", "cos"], prows)
     trows = [row for m in results for row in results[m]["theorem2"]]
     report.add("## Theorem 2 by depth (mid policy): Var(G) = sigma_t^2 + nu_t^2")
     report.add(

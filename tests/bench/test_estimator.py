@@ -261,3 +261,27 @@ def test_learner_options_validate():
     steps = [f.step for f in bpo.last_schedule(None, list(range(7)), 2, None)]
     assert steps == [5, 6]
     assert [f.step for f in bpo.root_even_schedule(None, list(range(7)), 2, None)] == [0, 4]
+
+
+@pytest.mark.slow
+def test_bpo_learner_trains_with_the_tail_variant(tmp_path):
+    pytest.importorskip("transformers")
+    from branchgym.agents.train import train
+
+    kw = {"depth": 3, "n_actions": 3, "reward_kind": "bernoulli", "structure_seed": 2}
+    options = {"schedule": "last", "m": 1, "backbones": 2, "credit": "value_diff"}
+    result = train(
+        "bpo",
+        out_dir=str(tmp_path),
+        env_kwargs=kw,
+        model="tiny",
+        policy="scoring",
+        prompts_per_step=2,
+        steps=2,
+        threads=1,
+        progress=False,
+        depth_weight=True,
+        **options,
+    )
+    steps = [h for h in result.history if "charts/rollouts" in h]
+    assert [h["charts/rollouts"] for h in steps] == [16, 16]  # 2 prompts x 2 x (1 + 3)
