@@ -28,7 +28,7 @@ def register_builtin_envs() -> None:
         "branchgym.envs.webshop.env:WebShopEnv",
         description="WebShop text shop: upstream pages, BM25 search and reward (generated "
         "catalog; data_dir= for the real one)",
-        requires=(("bm25s", "webshop"), ("Stemmer", "webshop"), ("thefuzz", "webshop")),
+        requires=(("Stemmer", "webshop"), ("thefuzz", "webshop")),
     )
     register(
         "branchgym/ALFWorld-v0",

@@ -661,7 +661,7 @@ def test_cli_train_reports_bad_input(capsys):
 
 
 def test_sft_collects_webshop_expert_episodes(tmp_path):
-    pytest.importorskip("bm25s")
+    pytest.importorskip("Stemmer")
     run = Run(
         sft.Args(
             env_id="branchgym/WebShop-v0",

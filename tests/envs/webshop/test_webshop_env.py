@@ -385,7 +385,7 @@ def test_play_lets_a_person_shop():
 
 def test_registered_with_its_extra():
     spec = branchgym.branch_spec("branchgym/WebShop-v0")
-    assert spec.missing() == [] and ("bm25s", "webshop") in spec.requires
+    assert spec.missing() == [] and ("Stemmer", "webshop") in spec.requires
 
 
 def test_snapshots_travel_between_copies_of_the_data(data_dir, tmp_path):
