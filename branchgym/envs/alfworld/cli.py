@@ -4,6 +4,7 @@ branchgym alfworld generate --n 50 --seed 1 --out games/      ALFWorld .tw-pddl 
 branchgym alfworld generate --n 50 --out train.jsonl.gz       a problem file for the env
 branchgym alfworld solve in_distribution                      the expert on every problem
 branchgym alfworld sets --check                               rebuild the shipped sets, compare
+branchgym alfworld stats thor_seen thor_unseen                rooms, plans, task mix, random agent
 """
 
 from __future__ import annotations
@@ -36,11 +37,24 @@ def configure(parser: argparse.ArgumentParser) -> None:
     sets = sub.add_parser("sets", help="rebuild the shipped problem sets from their seed")
     sets.add_argument("--out", default=None, help="write the rebuilt sets to this folder")
     sets.add_argument("--check", action="store_true", help="exit 1 unless equal to the shipped")
+    stats = sub.add_parser(
+        "stats", help="statistics of problem sets beside their real floor plans; random agent"
+    )
+    stats.add_argument(
+        "sets",
+        nargs="*",
+        default=["thor_seen", "thor_unseen", "in_distribution", "out_of_distribution"],
+    )
+    stats.add_argument(
+        "--random-episodes", type=int, default=50, help="random-agent episodes per set (40 steps)"
+    )
+    stats.add_argument("--seed", type=int, default=0)
 
 
 def run(args: argparse.Namespace) -> int:
     """Run the chosen sub-command."""
-    return {"generate": _generate, "solve": _solve, "sets": _sets}[args.alfworld_command](args)
+    commands = {"generate": _generate, "solve": _solve, "sets": _sets, "stats": _stats}
+    return commands[args.alfworld_command](args)
 
 
 def _generate(args: argparse.Namespace) -> int:
@@ -110,3 +124,75 @@ def _sets(args: argparse.Namespace) -> int:
         print(f"{split}: {len(rebuilt)} problems, {'equal to' if equal else 'DIFFER from'} shipped")
         same = same and equal
     return 0 if same or not args.check else 1
+
+
+def _span(d: dict[str, float], fmt: str = "{:.1f}") -> str:
+    return f"{fmt.format(d['mean'])} ({d['min']:.0f}-{d['max']:.0f})"
+
+
+def _random_success(problems: str, episodes: int, seed: int) -> float:
+    """Success of a uniformly random agent over the admissible commands, 40 steps."""
+    import gymnasium as gym
+    import numpy as np
+    from tqdm import tqdm
+
+    env = gym.make("branchgym/ALFWorld-v0", problems=problems)
+    rng = np.random.default_rng(seed)
+    won = 0
+    try:
+        for ep in tqdm(range(episodes), desc=f"random agent on {problems}", unit="ep"):
+            _, info = env.reset(seed=seed + ep)
+            done = False
+            while not done:
+                acts = info["admissible_actions"]
+                _, _, term, trunc, info = env.step(acts[int(rng.integers(len(acts)))])
+                done = term or trunc
+            won += bool(info["won"])
+    finally:
+        env.close()
+    return won / max(episodes, 1)
+
+
+def _stats(args: argparse.Namespace) -> int:
+    from branchgym.bench.common import markdown_table
+    from branchgym.envs.alfworld import floorplans
+    from branchgym.envs.alfworld.problems import TASK_TYPES, THOR_SPLITS, load_problems
+
+    rooms = ("Kitchen", "LivingRoom", "Bedroom", "Bathroom")
+    rows = []
+    for name in args.sets:
+        problems = load_problems(name)
+        st = floorplans.set_statistics(problems)
+        by_room = st["receptacles_by_room"]
+        shipped_rooms = [_span(by_room[r]) if r in by_room else "-" for r in rooms]
+        if name in THOR_SPLITS:
+            real = floorplans.floor_plan_statistics(name)
+            real_rooms = [_span(real["receptacles_by_room"][r]) for r in rooms]
+            label = f"{name}: its {real['floor_plans']} real floor plans"
+            rows.append([label, *real_rooms, "", ""])
+        else:  # a hand-written layout is named after its room kind
+            shipped_rooms = []
+            for r in rooms:
+                vals = [p.num_receptacles for p in problems if p.layout.startswith(r.lower())]
+                shipped_rooms.append(f"{sum(vals) / len(vals):.1f}" if vals else "-")
+        success = (
+            f"{_random_success(name, args.random_episodes, args.seed):.2f}"
+            if args.random_episodes > 0
+            else ""
+        )
+        mix = "/".join(str(n) for n in st["task_mix"])
+        plan = _span(st["expert_plan_length"])
+        label = f"{name}: {st['problems']} problems"
+        rows.append([label, *shipped_rooms, plan, f"{mix}; {success}"])
+    print(
+        markdown_table(
+            [
+                "set",
+                *(f"receptacles, {r}" for r in rooms),
+                "expert plan length",
+                f"task mix ({', '.join(t.split('_')[0] for t in TASK_TYPES)}); random success",
+            ],
+            rows,
+        )
+    )
+    return 0

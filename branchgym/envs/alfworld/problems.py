@@ -49,6 +49,8 @@ __all__ = [
     "TASK_TYPES",
     "SPLITS",
     "SPLIT_TASK_COUNTS",
+    "THOR_SPLITS",
+    "generate_from_plan",
     "Layout",
     "LAYOUTS",
     "Problem",
@@ -79,13 +81,22 @@ TASK_TYPES: tuple[str, ...] = (
 SPLITS: dict[str, str] = {
     "in_distribution": "in_distribution.jsonl.gz",
     "out_of_distribution": "out_of_distribution.jsonl.gz",
+    "thor_seen": "thor_seen.jsonl.gz",
+    "thor_unseen": "thor_unseen.jsonl.gz",
 }
+
+#: The sets generated on real AI2-THOR floor plans (:mod:`~branchgym.envs.alfworld.floorplans`):
+#: ``thor_seen`` on ALFRED's training floor plans with ``valid_seen``'s task mix,
+#: ``thor_unseen`` on its held-out ``valid_unseen`` floor plans with that split's mix.
+THOR_SPLITS: dict[str, str] = {"thor_seen": "in_distribution", "thor_unseen": "out_of_distribution"}
 
 #: Problems per task type in each shipped set: ALFWorld's ``valid_seen`` (140) and
 #: ``valid_unseen`` (134) evaluation splits, in :data:`TASK_TYPES` order.
 SPLIT_TASK_COUNTS: dict[str, tuple[int, ...]] = {
     "in_distribution": (35, 13, 27, 16, 25, 24),
     "out_of_distribution": (24, 18, 31, 23, 21, 17),
+    "thor_seen": (35, 13, 27, 16, 25, 24),
+    "thor_unseen": (24, 18, 31, 23, 21, 17),
 }
 
 #: Seed of the shipped sets; ``generate_split(split, seed=SHIPPED_SEED)`` rebuilds them.
@@ -125,6 +136,9 @@ class Layout:
         receptacles: Receptacle types, one entry per receptacle (repeats allowed).
         objects: Object types that may be placed in this room.
         lamp: Whether a desk lamp stands in the room (needed by ``look_at_obj_in_light``).
+        instances: For rooms read from a real floor plan: ``(type, THOR id, location)`` of
+            each receptacle, in :attr:`receptacles` order (empty: ids and locations are
+            drawn, as for the hand-written layouts).
     """
 
     name: str
@@ -132,6 +146,7 @@ class Layout:
     receptacles: tuple[str, ...]
     objects: tuple[str, ...]
     lamp: bool = False
+    instances: tuple[tuple[str, str, str], ...] = ()
 
 
 _KITCHEN = (
@@ -536,8 +551,13 @@ def _draw_problem(
     seed: int,
 ) -> Problem:
     taken: set[str] = set()
-    receps = [(kind, _thor_id(kind, rng, taken)) for kind in lay.receptacles]
-    locations = {rid: _location(rng, taken) for _, rid in receps}
+    if lay.instances:  # a real floor plan: its receptacles' THOR ids and locations
+        receps = [(kind, rid) for kind, rid, _ in lay.instances]
+        locations = {rid: loc for _, rid, loc in lay.instances}
+        taken |= set(locations) | set(locations.values())
+    else:
+        receps = [(kind, _thor_id(kind, rng, taken)) for kind in lay.receptacles]
+        locations = {rid: _location(rng, taken) for _, rid in receps}
     start = _location(rng, taken)
 
     placed: list[tuple[str, str, str]] = []  # (type, thor id, receptacle thor id)
@@ -715,7 +735,7 @@ def generate_problems(
     layouts = list(layouts or SPLIT_LAYOUTS["in_distribution"])
     task_types = list(task_types or TASK_TYPES)
     plan = [(task_types[i % len(task_types)], i // len(task_types)) for i in range(n)]
-    return _generate(plan, seed, layouts, split, validate, progress)
+    return generate_from_plan(plan, seed, layouts, split, validate=validate, progress=progress)
 
 
 def generate_split(
@@ -739,28 +759,42 @@ def generate_split(
     plan = []
     for task_type, count in zip(TASK_TYPES, SPLIT_TASK_COUNTS[split], strict=True):
         plan += [(task_type, k) for k in range(count)]
-    return _generate(plan, seed, list(SPLIT_LAYOUTS[split]), split, True, progress, only)
+    if split in THOR_SPLITS:
+        from branchgym.envs.alfworld.floorplans import split_layouts
+
+        layouts: list[str | Layout] = list(split_layouts(split))
+    else:
+        layouts = list(SPLIT_LAYOUTS[split])
+    return generate_from_plan(plan, seed, layouts, split, progress=progress, only=only)
 
 
-def _generate(
+def generate_from_plan(
     plan: list[tuple[str, int]],
     seed: int,
-    layouts: list[str],
+    layouts: Sequence[str | Layout],
     split: str,
-    validate: bool,
-    progress: bool,
+    *,
+    validate: bool = True,
+    progress: bool = True,
     only: Sequence[int] | None = None,
 ) -> list[Problem]:
+    """Generate the problems of ``plan``: ``(task type, k)`` pairs, each from its own seed.
+
+    Problem ``i`` goes on the ``k``-th layout that can pose its task type, from a seed
+    derived from ``(seed, i)`` only. ``layouts`` are names of :data:`LAYOUTS` or
+    :class:`Layout` objects (real floor plans, :mod:`branchgym.envs.alfworld.floorplans`).
+    """
     from tqdm import tqdm
 
     constants = _constants()
+    rooms = [LAYOUTS[x] if isinstance(x, str) else x for x in layouts]
     out = []
     positions = range(len(plan)) if only is None else [int(i) for i in only]
     for i in tqdm(positions, desc=f"generating {split}", disable=not progress):
         task_type, k = plan[i]
-        usable = [name for name in layouts if _task_choices(LAYOUTS[name], task_type, constants)]
+        usable = [lay for lay in rooms if _task_choices(lay, task_type, constants)]
         if not usable:
-            raise ValueError(f"no layout among {layouts} can pose {task_type}")
+            raise ValueError(f"no layout among {[r.name for r in rooms]} can pose {task_type}")
         sub_seed = int(np.random.default_rng([seed, i]).integers(2**31 - 1))
         layout = usable[k % len(usable)]
         problem = generate_problem(layout, task_type, sub_seed, split=split, validate=validate)

@@ -120,7 +120,12 @@ def test_save_and_load_round_trip(tmp_path):
 
 @needs_engine
 def test_generator_rebuilds_shipped_problems_from_their_seed():
-    for split, positions in (("in_distribution", [0, 75]), ("out_of_distribution", [133])):
+    for split, positions in (
+        ("in_distribution", [0, 75]),
+        ("out_of_distribution", [133]),
+        ("thor_seen", [0, 139]),
+        ("thor_unseen", [60]),
+    ):
         rebuilt = generate_split(split, only=positions, progress=False)
         shipped = load_problem_set(split)
         assert [p.to_json() for p in rebuilt] == [shipped[i].to_json() for i in positions]
@@ -798,3 +803,54 @@ def test_the_env_plays_alfworld_real_data_with_its_gamefile_in_info(tmp_path):
         gym.make(ID, problems="out_of_distribution", data_dir=str(root))
     with pytest.raises(DataError, match="give data_dir="):
         gym.make(ID, split="valid_seen")
+
+
+# ------------------------------------------------------------------ real AI2-THOR floor plans
+
+
+@needs_engine
+def test_rooms_come_from_the_real_floor_plans():
+    import alfworld
+
+    from branchgym.envs.alfworld import floorplans
+    from branchgym.envs.alfworld.problems import mangle
+
+    raw = json.loads(
+        (
+            __import__("pathlib").Path(alfworld.__file__).parent
+            / "gen/layouts/FloorPlan1-openable.json"
+        ).read_text()
+    )
+    lay = floorplans.floor_plan_layout(1)
+    assert lay.room == "Kitchen" and lay.name == "FloorPlan1"
+    ids = {rid for _, rid, _ in lay.instances}
+    # every walk-to receptacle of the scene is there under its real THOR id
+    assert {k for k in raw if not k.startswith("Sink|")} <= ids
+    assert any(r.startswith("Sink|") and r.endswith("|SinkBasin") for r in ids)
+    assert len(lay.receptacles) >= len(raw) and lay.receptacles.count("Cabinet") == 8
+    assert {"Apple", "Mug", "Knife"} <= set(lay.objects) and "Cabinet" not in lay.objects
+    assert floorplans.floor_plans("thor_unseen") == (10, 219, 308, 424)
+    seen = floorplans.floor_plans("thor_seen")
+    assert not set(seen) & {10, 219, 308, 424, 1, 2, 3, 4, 5, 6}
+    assert {floorplans.room_of(n) for n in seen} == {"Kitchen", "LivingRoom", "Bedroom", "Bathroom"}
+    kitchens = [len(floorplans.floor_plan_layout(n).receptacles) for n in seen if n < 100]
+    assert min(kitchens) >= 12 and max(kitchens) >= 30  # real kitchens, not 4-12
+    problem = generate_problem(lay, "pick_heat_then_place_in_recep", 0)
+    assert problem.expert_plan and mangle(next(iter(sorted(raw)))) in problem.pddl_problem
+
+
+@needs_engine
+@pytest.mark.parametrize("split", ["thor_seen", "thor_unseen"])
+def test_shipped_thor_sets_are_on_their_floor_plans_with_alfworlds_task_mix(split):
+    from branchgym.envs.alfworld import floorplans
+
+    problems = load_problem_set(split)
+    counts = tuple(sum(p.task_type == t for p in problems) for t in TASK_TYPES)
+    assert counts == SPLIT_TASK_COUNTS[split]
+    plans = {int(p.layout.removeprefix("FloorPlan")) for p in problems}
+    assert plans <= set(floorplans.floor_plans(split))
+    if split == "thor_unseen":
+        assert plans == set(floorplans.UNSEEN_FLOOR_PLANS)
+    assert all(p.expert_plan for p in problems)
+    stats = floorplans.set_statistics(problems)
+    assert stats["receptacles_by_room"]["Kitchen"]["mean"] >= 15
