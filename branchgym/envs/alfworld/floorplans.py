@@ -15,7 +15,7 @@ turns one floor plan into a :class:`~branchgym.envs.alfworld.problems.Layout`:
 * objects: the scene's pickupable object types (ALFWorld's receptacle/object table);
 * a lamp when the scene has a desk lamp.
 
-So a kitchen has its real 12-34 receptacles instead of a hand-written 4-12. Objects are
+So a kitchen has its real 13-51 receptacles instead of a hand-written 4-12. Objects are
 still placed by the seeded generator under ALFWorld's affordance rules.
 
 Splits follow ALFRED: ``thor_unseen`` uses the held-out floor plans of ALFRED's
