@@ -163,8 +163,7 @@ def _max_steps(spec: EnvRecipe, max_steps: int | None) -> int:
         return DEFAULT_MAX_STEPS
     if isinstance(limit, bool) or not isinstance(limit, int) or limit < 1:
         raise OptionError(
-            f"max_episode_steps must be a whole number >= 1, or -1 for no time limit, got "
-            f"{limit!r}"
+            f"max_episode_steps must be a whole number >= 1, or -1 for no time limit, got {limit!r}"
         )
     return limit
 
@@ -643,7 +642,13 @@ def _run_siblings(
             prefix = tuple(int(t) for t in prefix_src[: f.token_offset])
             lines.append(
                 _Line(
-                    out.session, contexts[f.step], parent, rid, kk, prefix, group=f.step,
+                    out.session,
+                    contexts[f.step],
+                    parent,
+                    rid,
+                    kk,
+                    prefix,
+                    group=f.step,
                     rng=stream,
                 )  # fmt: skip
             )

@@ -60,9 +60,24 @@ KEY_ENV = "BRANCHGYM_SNAPSHOT_KEY"
 SAFE_GLOBALS: frozenset[tuple[str, str]] = frozenset(
     {
         # plain data
-        *(("builtins", n) for n in ("set", "frozenset", "bytearray", "complex", "object",
-                                     "list", "dict", "tuple", "int", "float", "str", "bool",
-                                     "bytes")),  # fmt: skip
+        *(
+            ("builtins", n)
+            for n in (
+                "set",
+                "frozenset",
+                "bytearray",
+                "complex",
+                "object",
+                "list",
+                "dict",
+                "tuple",
+                "int",
+                "float",
+                "str",
+                "bool",
+                "bytes",
+            )
+        ),  # fmt: skip
         ("collections", "OrderedDict"),
         ("collections", "deque"),
         ("collections", "defaultdict"),

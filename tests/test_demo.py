@@ -24,9 +24,7 @@ def test_demo_summarises_the_snapshot_study(tmp_path, capsys):
     text = capsys.readouterr().out
     summary = (out / "summary.md").read_text()
     data = json.loads((out / "snapshot.json").read_text())["registered"]
-    rows = {
-        row[1]: row for row in table_rows(summary) if row[0] == "snapshot + restore (median)"
-    }
+    rows = {row[1]: row for row in table_rows(summary) if row[0] == "snapshot + restore (median)"}
     assert set(rows) == {env_id.split("/")[1] for env_id in data}  # one row per measured env
     for env_id, m in data.items():
         name = env_id.split("/")[1]

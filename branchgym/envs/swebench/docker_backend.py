@@ -811,8 +811,7 @@ class DockerBackend:
 
 #: Shell code that resolves "$1" (links followed) into $p and exits 3 if it leaves /testbed.
 _INSIDE = (
-    'p=$(realpath -m -- "$1") || exit 1; '
-    'case "$p" in /testbed|/testbed/*) ;; *) exit 3;; esac; '
+    'p=$(realpath -m -- "$1") || exit 1; case "$p" in /testbed|/testbed/*) ;; *) exit 3;; esac; '
 )
 
 _BUILD_LOCK = threading.Lock()
