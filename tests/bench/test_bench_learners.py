@@ -24,3 +24,18 @@ def test_bench_learners_quick(tmp_path, capsys):
         assert [s for s, _ in run["curve"]] == [0, 2, 4]
         assert 0.0 <= run["end"] <= 1.0 and run["rollouts"] == 7 * 4
     assert (tmp_path / "learners_success.png").stat().st_size > 0
+
+
+def test_the_variant_runs_are_valid_learner_options_and_the_long_maze_evaluates_exactly():
+    import gymnasium as gym
+
+    from branchgym.agents.train import make_args
+    from branchgym.bench.all_learners import MAZES, VARIANTS
+
+    for label, (algo, options) in VARIANTS.items():
+        args = make_args(algo, env_id="branchgym/TextTreeMDP-v0", **options)
+        args.check()  # raises TrainingConfigError on an unknown or out-of-range option
+        assert label.startswith(algo)
+    tree = gym.make("branchgym/TextTreeMDP-v0", **MAZES["long_noisy"]).unwrapped.tree
+    inner = int((tree.depth < tree.depth.max()).sum())
+    assert tree.depth.max() == 6 and inner <= 5_000  # exact_value's limit: curves stay exact
