@@ -1,4 +1,4 @@
-"""Estimator-level gradient noise of a learner at a frozen policy (issue 16).
+"""Estimator-level gradient noise of a learner at a frozen policy.
 
 A learner's training step is rollouts -> advantages -> loss -> gradient -> optimizer
 step. :func:`probe_learner` runs the learner's own ``main`` (its rollouts, its
