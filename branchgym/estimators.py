@@ -57,7 +57,6 @@ __all__ = [
     "exact",
     "exact_gradient",
     "exact_j",
-    "fast_random_tree",
     "measure",
     "optimal_j",
     "policy_snapshots",
@@ -71,58 +70,6 @@ NORMS = ("traj", "depth")
 
 
 # ------------------------------------------------------------------------- trees
-
-
-def fast_random_tree(
-    *,
-    depth: int = 4,
-    n_actions: int = 3,
-    n_outcomes: int = 2,
-    transition_noise: float = 0.2,
-    reward_noise: float = 0.1,
-    reward_kind: str = "gaussian",
-    seed: int = 0,
-    depth_weights: Any = None,
-) -> TreeStructure:
-    """:meth:`TreeStructure.random` built with numpy (same tree for the same arguments).
-
-    ``depth_weights`` (length ``depth``) scales the edge qualities of each decision depth
-    before they add up to the leaf's mean: large late weights make the return resolved
-    late (Theorem 2's ``nu_t^2`` small until late), large early ones resolve it early.
-    ``None`` (all ones) reproduces :meth:`TreeStructure.random` exactly.
-    """
-    if depth < 1 or n_actions < 1 or n_outcomes < 1:
-        raise ValueError("depth, n_actions and n_outcomes must be >= 1")
-    b = n_actions * n_outcomes
-    n_nodes = sum(b**d for d in range(depth + 1))
-    if n_nodes > 4_000_000:
-        raise ValueError(f"tree would have {n_nodes} nodes; reduce depth or branching")
-    rng = np.random.default_rng(seed)
-    quality = rng.normal(size=(n_nodes, n_actions))
-    w = np.ones(depth) if depth_weights is None else np.asarray(depth_weights, dtype=float)
-    starts = np.concatenate([[0], np.cumsum([b**d for d in range(depth + 1)])])
-    node_depth = np.zeros(n_nodes, dtype=np.int32)
-    parent = np.full(n_nodes, -1, dtype=np.int64)
-    children = np.full((n_nodes, n_actions, n_outcomes), -1, dtype=np.int64)
-    probs = np.zeros((n_nodes, n_actions, n_outcomes))
-    path_q = np.zeros(n_nodes)
-    p = np.full(n_outcomes, transition_noise / n_outcomes)
-    p[0] += 1.0 - transition_noise
-    for d in range(depth):
-        inner = np.arange(starts[d], starts[d + 1])
-        kids = 1 + inner[:, None] * b + np.arange(b)[None, :]
-        children[inner] = kids.reshape(-1, n_actions, n_outcomes)
-        probs[inner] = p
-        flat = kids.reshape(-1)
-        node_depth[flat] = d + 1
-        parent[flat] = np.repeat(inner, b)
-        step_q = np.repeat(quality[inner] * w[d], n_outcomes, axis=1)
-        path_q[flat] = (path_q[inner][:, None] + step_q).reshape(-1)
-    leaves = node_depth == depth
-    scale = np.sqrt(depth) if depth_weights is None else np.sqrt(np.sum(w**2))
-    mean = np.where(leaves, 1.0 / (1.0 + np.exp(-2.0 * path_q / scale)), 0.0)
-    std = np.where(leaves, reward_noise if reward_kind == "gaussian" else 0.0, 0.0)
-    return TreeStructure(n_actions, node_depth, parent, children, probs, mean, std, reward_kind)
 
 
 @dataclasses.dataclass(frozen=True, eq=False)

@@ -32,6 +32,7 @@ from tqdm import tqdm
 from branchgym import estimators as est
 from branchgym.bench.common import Report, positive_int, seed_int
 from branchgym.bench.runs import STUDY_MAZE
+from branchgym.envs.toy.tree_mdp import TreeStructure
 
 __all__ = ["ESTIMATORS", "MAZES", "VARIANTS", "configure", "main", "mazes"]
 
@@ -67,7 +68,7 @@ ESTIMATORS: dict[str, tuple[est.Design, str]] = {
 #: The variants of docs/estimators.md (candidates for "best variant").
 VARIANTS = ("bpo_fresh", "bpo_root", "bpo_vd", "bpo_g2_vd", "bpo_tail_vd")
 
-#: name -> (TreeStructure arguments for fast_random_tree, description)
+#: name -> (TreeStructure.random arguments, description)
 MAZES: dict[str, tuple[dict[str, Any], str]] = {
     "study": (dict(STUDY_MAZE, seed=STUDY_MAZE["structure_seed"]), "the learning study's maze"),
     "long7": (
@@ -141,7 +142,7 @@ def mazes(quick: bool) -> dict[str, tuple[est.TreeArrays, str]]:
         if shape is not None:
             t = np.arange(kw["depth"])
             kw["depth_weights"] = 2.0 ** (-t) if shape == "early" else 2.0 ** (t - kw["depth"] + 1)
-        out[name] = (est.TreeArrays.of(est.fast_random_tree(**kw)), text)
+        out[name] = (est.TreeArrays.of(TreeStructure.random(**kw)), text)
     return out
 
 

@@ -15,22 +15,52 @@ LONG = {"depth": 7, "n_actions": 3, "transition_noise": 0.6, "reward_kind": "ber
 
 @pytest.fixture(scope="module")
 def study():
-    arr = est.TreeArrays.of(est.fast_random_tree(**STUDY))
+    arr = est.TreeArrays.of(TreeStructure.random(**STUDY))
     pi = est.softmax(np.random.default_rng(5).normal(size=(arr.n_nodes, arr.n_actions)))
     return arr, pi
 
 
 @pytest.fixture(scope="module")
 def long_maze():
-    arr = est.TreeArrays.of(est.fast_random_tree(**LONG))
+    arr = est.TreeArrays.of(TreeStructure.random(**LONG))
     return arr, est.policy_snapshots(arr, fractions=(0.5,))["mid"]
 
 
-def test_fast_builder_matches_treestructure_random():
+def _random_tree_node_by_node(depth, n_actions, n_outcomes, transition_noise, seed):
+    """TreeStructure.random's definition, one node and edge at a time (the reference)."""
+    rng = np.random.default_rng(seed)
+    b = n_actions * n_outcomes
+    n = sum(b**d for d in range(depth + 1))
+    quality = rng.normal(size=(n, n_actions))
+    node_depth, parent = np.zeros(n, int), np.full(n, -1)
+    children, probs = np.full((n, n_actions, n_outcomes), -1), np.zeros((n, n_actions, n_outcomes))
+    path_q, nxt = np.zeros(n), 1
+    for node in range(n):
+        if node_depth[node] == depth:
+            continue
+        for a in range(n_actions):
+            p = np.full(n_outcomes, transition_noise / n_outcomes)
+            p[0] += 1.0 - transition_noise
+            for o in range(n_outcomes):
+                children[node, a, o], probs[node, a, o] = nxt, p[o]
+                node_depth[nxt], parent[nxt] = node_depth[node] + 1, node
+                path_q[nxt] = path_q[node] + quality[node, a]
+                nxt += 1
+    mean = np.where(node_depth == depth, 1 / (1 + np.exp(-2 * path_q / np.sqrt(depth))), 0.0)
+    std = np.where(node_depth == depth, 0.1, 0.0)  # the default Gaussian reward noise
+    return {"depth": node_depth, "parent": parent, "children": children, "probs": probs,
+            "reward_mean": mean, "reward_std": std}  # fmt: skip
+
+
+def test_the_level_by_level_builder_matches_the_node_by_node_definition():
     kw = {"depth": 3, "n_actions": 3, "n_outcomes": 2, "transition_noise": 0.4, "seed": 7}
-    a, b = est.fast_random_tree(**kw), TreeStructure.random(**kw)
-    for f in ("depth", "parent", "children", "probs", "reward_mean", "reward_std"):
-        assert np.allclose(getattr(a, f), getattr(b, f)), f
+    a, ref = TreeStructure.random(**kw), _random_tree_node_by_node(**kw)
+    for f, want in ref.items():
+        assert np.allclose(getattr(a, f), want), f
+    ones = TreeStructure.random(**kw, depth_weights=np.ones(3))
+    assert np.allclose(ones.reward_mean, a.reward_mean)  # all-ones weights change nothing
+    with pytest.raises(ValueError, match="one weight per depth"):
+        TreeStructure.random(**kw, depth_weights=[1.0, 2.0])
 
 
 def test_exact_values_match_backward_induction(study):
@@ -188,7 +218,7 @@ def _learner_gradient_ratio(prompts, seed, **options):
 
     kw = {"depth": 3, "n_actions": 3, "reward_kind": "bernoulli", "structure_seed": 2}
     arr = est.TreeArrays.of(
-        est.fast_random_tree(depth=3, n_actions=3, reward_kind="bernoulli", seed=2)
+        TreeStructure.random(depth=3, n_actions=3, reward_kind="bernoulli", seed=2)
     )
     pi = est.softmax(np.random.default_rng(5).normal(size=(arr.n_nodes, arr.n_actions)))
     truth = est.exact_gradient(arr, pi)

@@ -85,12 +85,18 @@ class TreeStructure:
         reward_noise: float = 0.1,
         reward_kind: str = "gaussian",
         seed: int = 0,
+        depth_weights: Any = None,
     ) -> TreeStructure:
         """A random tree whose leaf means depend on every decision along the path.
 
         Each (node, action) edge gets a quality ``q ~ N(0, 1)``; a leaf's mean reward is
         ``sigmoid(2 * sum(q along its path) / sqrt(depth))``, so good decisions early and
-        late both matter and values are spread over (0, 1).
+        late both matter and values are spread over (0, 1). Node ids grow breadth first.
+
+        ``depth_weights`` (length ``depth``) scales the qualities of each decision depth
+        before they add up (the ``sqrt(depth)`` becomes the weights' norm): large late
+        weights resolve the return late (Theorem 2's ``nu_t^2`` small until late), large
+        early ones resolve it early. ``None`` means all ones.
         """
         if depth < 1 or n_actions < 1 or n_outcomes < 1:
             raise ValueError("depth, n_actions and n_outcomes must be >= 1")
@@ -98,33 +104,36 @@ class TreeStructure:
             raise ValueError("transition_noise must be in [0, 1]")
         if reward_kind not in ("gaussian", "bernoulli"):
             raise ValueError("reward_kind must be 'gaussian' or 'bernoulli'")
+        w = np.ones(depth) if depth_weights is None else np.asarray(depth_weights, dtype=float)
+        if w.shape != (depth,):
+            raise ValueError(f"depth_weights needs one weight per depth ({depth})")
         branching = n_actions * n_outcomes
         n_nodes = sum(branching**d for d in range(depth + 1))
         if n_nodes > 2_000_000:
             raise ValueError(f"tree would have {n_nodes} nodes; reduce depth or branching")
         rng = np.random.default_rng(seed)
+        quality = rng.normal(size=(n_nodes, n_actions))
+        starts = np.concatenate([[0], np.cumsum([branching**d for d in range(depth + 1)])])
         node_depth = np.zeros(n_nodes, dtype=np.int32)
         parent = np.full(n_nodes, -1, dtype=np.int64)
         children = np.full((n_nodes, n_actions, n_outcomes), -1, dtype=np.int64)
         probs = np.zeros((n_nodes, n_actions, n_outcomes), dtype=np.float64)
         path_q = np.zeros(n_nodes)
-        quality = rng.normal(size=(n_nodes, n_actions))
-        nxt = 1
-        for node in range(n_nodes):
-            if node_depth[node] == depth:
-                continue
-            for a in range(n_actions):
-                p = np.full(n_outcomes, transition_noise / n_outcomes)
-                p[0] += 1.0 - transition_noise
-                for o in range(n_outcomes):
-                    children[node, a, o] = nxt
-                    probs[node, a, o] = p[o]
-                    node_depth[nxt] = node_depth[node] + 1
-                    parent[nxt] = node
-                    path_q[nxt] = path_q[node] + quality[node, a]
-                    nxt += 1
+        p = np.full(n_outcomes, transition_noise / n_outcomes)
+        p[0] += 1.0 - transition_noise
+        for d in range(depth):  # one level at a time: children of node i are 1 + i*b ...
+            inner = np.arange(starts[d], starts[d + 1])
+            kids = 1 + inner[:, None] * branching + np.arange(branching)[None, :]
+            children[inner] = kids.reshape(-1, n_actions, n_outcomes)
+            probs[inner] = p
+            flat = kids.reshape(-1)
+            node_depth[flat] = d + 1
+            parent[flat] = np.repeat(inner, branching)
+            step_q = np.repeat(quality[inner] * w[d], n_outcomes, axis=1)
+            path_q[flat] = (path_q[inner][:, None] + step_q).reshape(-1)
         leaves = node_depth == depth
-        mean = np.where(leaves, 1.0 / (1.0 + np.exp(-2.0 * path_q / np.sqrt(depth))), 0.0)
+        scale = np.sqrt(depth) if depth_weights is None else np.sqrt(np.sum(w**2))
+        mean = np.where(leaves, 1.0 / (1.0 + np.exp(-2.0 * path_q / scale)), 0.0)
         std = np.where(leaves, reward_noise if reward_kind == "gaussian" else 0.0, 0.0)
         return cls(n_actions, node_depth, parent, children, probs, mean, std, reward_kind)
 
