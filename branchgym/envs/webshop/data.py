@@ -272,6 +272,19 @@ def _resolve_files(
             )
         return f
 
+    def partner(given: str, side: int, found: list[str]) -> str:
+        """The other file of ``given``'s release (side 0: ``given`` is the products file)."""
+        pre = _preset_of(given, side)
+        if pre is not None:
+            return PRESETS[pre][1 - side]
+        if len(found) == 1:
+            return found[0]
+        kinds = ("products", "attributes")
+        raise DataError(
+            f"{kinds[side]}_file={given!r} has no matching {kinds[1 - side]} file ({seen}); "
+            f"name it with {kinds[1 - side]}_file=."
+        )
+
     if preset is not None:
         if preset not in PRESETS:
             raise DataError(
@@ -311,27 +324,9 @@ def _resolve_files(
                 "attributes_file=."
             )
     elif attributes_file is None:
-        pre = _preset_of(products_file, 0)
-        if pre is not None:
-            attributes_file = PRESETS[pre][1]
-        elif len(found_a) == 1:
-            attributes_file = found_a[0]
-        else:
-            raise DataError(
-                f"products_file={products_file!r} has no matching attributes file ({seen}); "
-                "name it with attributes_file=."
-            )
+        attributes_file = partner(products_file, 0, found_a)
     elif products_file is None:
-        pre = _preset_of(attributes_file, 1)
-        if pre is not None:
-            products_file = PRESETS[pre][0]
-        elif len(found_p) == 1:
-            products_file = found_p[0]
-        else:
-            raise DataError(
-                f"attributes_file={attributes_file!r} has no matching products file ({seen}); "
-                "name it with products_file=."
-            )
+        products_file = partner(attributes_file, 1, found_p)
     files: dict[str, Path | None] = {
         "products": need(products_file, "products"),
         "attributes": need(attributes_file, "attributes"),
