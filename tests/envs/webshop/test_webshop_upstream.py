@@ -86,6 +86,24 @@ def test_missing_or_mismatched_files_are_errors(tmp_path):
         load_catalog(d, data="small", products_file=SMALL[0])
     with pytest.raises(DataError, match="products file .*nope.json' does not exist"):
         load_catalog(d, products_file="nope.json", attributes_file=SMALL[1])
+    # a custom-named file pairs with the only file of the other kind, or asks for its name
+    e = layout(tmp_path / "e", *SMALL, FULL[1])
+    (e / "items_shuffle_mine.json").write_text((e / SMALL[0]).read_text(), encoding="utf-8")
+    with pytest.raises(
+        DataError, match="products_file='items_shuffle_mine.json' has no matching attributes file"
+    ) as exc:
+        load_catalog(e, products_file="items_shuffle_mine.json")
+    assert "name it with attributes_file=" in str(exc.value)
+    (e / FULL[1]).unlink()
+    assert load_catalog(e, products_file="items_shuffle_mine.json").files == (
+        "items_shuffle_mine.json",
+        SMALL[1],
+    )
+    (e / "items_ins_v2_mine.json").write_text((e / SMALL[1]).read_text(), encoding="utf-8")
+    with pytest.raises(
+        DataError, match="attributes_file='items_ins_v2_mine.json' has no matching products file"
+    ):
+        load_catalog(e, attributes_file="items_ins_v2_mine.json")
 
 
 # ------------------------------------------------------------------------- splits
