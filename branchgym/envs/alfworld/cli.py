@@ -170,11 +170,6 @@ def _stats(args: argparse.Namespace) -> int:
             real_rooms = [_span(real["receptacles_by_room"][r]) for r in rooms]
             label = f"{name}: its {real['floor_plans']} real floor plans"
             rows.append([label, *real_rooms, "", ""])
-        else:  # a hand-written layout is named after its room kind
-            shipped_rooms = []
-            for r in rooms:
-                vals = [p.num_receptacles for p in problems if p.layout.startswith(r.lower())]
-                shipped_rooms.append(f"{sum(vals) / len(vals):.1f}" if vals else "-")
         success = (
             f"{_random_success(name, args.random_episodes, args.seed):.2f}"
             if args.random_episodes > 0

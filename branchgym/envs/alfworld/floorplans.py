@@ -34,11 +34,13 @@ from typing import Any
 import numpy as np
 
 from branchgym.envs.alfworld.problems import (
+    LAYOUTS,
     SPLIT_TASK_COUNTS,
     TASK_TYPES,
     THOR_SPLITS,
     Layout,
     Problem,
+    alfworld_constants,
 )
 from branchgym.error import DataError
 
@@ -75,12 +77,6 @@ def _layouts_dir() -> Path:
     return Path(alfworld.__file__).parent / "gen" / "layouts"
 
 
-def _constants() -> Any:
-    import alfworld.gen.constants as constants
-
-    return constants
-
-
 @functools.cache
 def floor_plan_layout(floor_plan: int) -> Layout:
     """The room of ``FloorPlan<floor_plan>``, from alfworld's shipped layout files.
@@ -97,7 +93,7 @@ def floor_plan_layout(floor_plan: int) -> Layout:
         raise DataError(
             f"FloorPlan{floor_plan}: cannot read alfworld's layout files: {exc}"
         ) from exc
-    constants = _constants()
+    constants = alfworld_constants()
     static = set(constants.STATIC_RECEPTACLES) & set(constants.RECEPTACLES)
     instances: list[tuple[str, str, str]] = []
     for thor_id, pose in sorted(openable.items()):
@@ -139,7 +135,7 @@ def floor_plans(split: str) -> tuple[int, ...]:
     if split == "thor_unseen":
         return UNSEEN_FLOOR_PLANS
     if split == "thor_seen":
-        train = tuple(int(n) for n in _constants().TRAIN_SCENE_NUMBERS)
+        train = tuple(int(n) for n in alfworld_constants().TRAIN_SCENE_NUMBERS)
         return tuple(n for n in train if n not in UNSEEN_FLOOR_PLANS)
     raise DataError(f"unknown THOR set {split!r}; choose one of {sorted(THOR_SPLITS)}")
 
@@ -156,16 +152,19 @@ def _describe(values: list[float]) -> dict[str, float]:
     return {"mean": float(a.mean()), "min": float(a.min()), "max": float(a.max())}
 
 
+def _room(layout: str) -> str:
+    """The room type of a problem's layout: a real floor plan or a hand-written room."""
+    if layout.startswith("FloorPlan"):
+        return room_of(int(layout[len("FloorPlan") :]))
+    known = LAYOUTS.get(layout)
+    return known.room if known is not None else "unknown"
+
+
 def set_statistics(problems: tuple[Problem, ...] | list[Problem]) -> dict[str, Any]:
     """Receptacles per room by room type, expert plan length and task mix of a set."""
     by_room: dict[str, list[float]] = {}
     for p in problems:
-        room = (
-            room_of(int(p.layout[len("FloorPlan") :]))
-            if p.layout.startswith("FloorPlan")
-            else p.layout
-        )
-        by_room.setdefault(room, []).append(p.num_receptacles)
+        by_room.setdefault(_room(p.layout), []).append(p.num_receptacles)
     plans = [p.expert_plan_length for p in problems if p.expert_plan_length is not None]
     mix = Counter(p.task_type for p in problems)
     return {

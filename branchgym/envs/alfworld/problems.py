@@ -48,6 +48,7 @@ from branchgym.error import DataError
 __all__ = [
     "TASK_TYPES",
     "SPLITS",
+    "alfworld_constants",
     "SPLIT_TASK_COUNTS",
     "THOR_SPLITS",
     "generate_from_plan",
@@ -433,7 +434,12 @@ def _location(rng: np.random.Generator, taken: set[str]) -> str:
 # ------------------------------------------------------------------------ generator
 
 
-def _constants() -> Any:
+def alfworld_constants() -> Any:
+    """The ``alfworld.gen.constants`` module (affordances, receptacle sets, ALFRED's scenes).
+
+    Raises:
+        DependencyMissingError: the ALFWorld engine is not installed (``make alfworld``).
+    """
     from branchgym.envs.alfworld.engine import require_engine
 
     require_engine("generating ALFWorld problems")
@@ -518,7 +524,7 @@ def generate_problem(
     lay = LAYOUTS[layout] if isinstance(layout, str) else layout
     if task_type not in TASK_TYPES:
         raise ValueError(f"unknown task type {task_type!r}; choose one of {TASK_TYPES}")
-    constants = _constants()
+    constants = alfworld_constants()
     choices = _task_choices(lay, task_type, constants)
     if not choices:
         raise ValueError(
@@ -786,7 +792,7 @@ def generate_from_plan(
     """
     from tqdm import tqdm
 
-    constants = _constants()
+    constants = alfworld_constants()
     rooms = [LAYOUTS[x] if isinstance(x, str) else x for x in layouts]
     out = []
     positions = range(len(plan)) if only is None else [int(i) for i in only]

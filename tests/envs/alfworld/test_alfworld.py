@@ -854,3 +854,7 @@ def test_shipped_thor_sets_are_on_their_floor_plans_with_alfworlds_task_mix(spli
     assert all(p.expert_plan for p in problems)
     stats = floorplans.set_statistics(problems)
     assert stats["receptacles_by_room"]["Kitchen"]["mean"] >= 15
+    # hand-written rooms are grouped by their room type too, so the sets compare
+    hand = floorplans.set_statistics(load_problem_set("in_distribution"))["receptacles_by_room"]
+    assert set(hand) == {"Kitchen", "LivingRoom", "Bedroom", "Bathroom"}
+    assert hand["Kitchen"]["max"] <= 12 < stats["receptacles_by_room"]["Kitchen"]["max"]
