@@ -38,8 +38,9 @@ from branchgym.bench.runs import (
     window_variance,
 )
 
-__all__ = ["configure", "main", "ENV_KWARGS"]
+__all__ = ["configure", "main", "ENV_KWARGS", "MAZES", "VARIANTS"]
 
+#: The default maze (``MAZES["ci"]``).
 ENV_KWARGS = CI_MAZE
 
 #: learner -> options that give it N = 7 rollouts per prompt
@@ -77,7 +78,7 @@ VARIANTS: dict[str, tuple[str, dict[str, Any]]] = {
 #: the mazes: the CI maze, and a long noisy one of the family where the estimator study
 #: finds branching pays (most of the return's variance resolved late)
 MAZES: dict[str, dict[str, Any]] = {
-    "ci": dict(CI_MAZE),
+    "ci": ENV_KWARGS,
     "long_noisy": {  # depth 6: the deepest whose 1,365 states still evaluate exactly
         "depth": 6,
         "n_actions": 2,
@@ -129,7 +130,7 @@ def _one(
     }
     if algo in DISTILL:
         options["teacher"] = teacher
-    maze = MAZES[getattr(args, "maze", "ci")]
+    maze = MAZES[args.maze]
     return run_learner(learner, seed, folder, label=algo, env_kwargs=maze, **options)
 
 
