@@ -64,41 +64,57 @@ def owned_sizeof(root: Any, *, exclude: tuple[Any, ...] = ()) -> int:
     what hangs below them are left out. Types whose class sets
     ``__branchgym_shared__ = True`` are always left out, and so is each object of
     ``exclude`` (counted elsewhere). ``root`` itself always counts.
+
+    An object found with more than one referrer is not walked into unless it turns out
+    to be owned after all (all its referrers inside the graph), so the shared parts of a
+    state (a game's fact objects, say) cost a reference count each, not a walk.
     """
     skip = {id(x) for x in exclude}
     objs: dict[int, Any] = {id(root): root}
     refs: dict[int, int] = {}
     kids: dict[int, list[int]] = {}
-    stack, o, c = [root], root, None
+    waiting: set[int] = set()  # found with other referrers: walked only if owned
+    todo, o, c = [root], root, None
+    while True:
+        while todo:
+            o = todo.pop()
+            mine = kids[id(o)] = []
+            for c in _children(o):
+                i = id(c)
+                if (
+                    i in skip
+                    or isinstance(c, _SHARED)
+                    or getattr(type(c), "__branchgym_shared__", False)
+                ):
+                    continue
+                refs[i] = refs.get(i, 0) + 1
+                mine.append(i)
+                if i not in objs:
+                    objs[i] = c
+                    # a single referrer: its parent, plus ``objs``, ``c`` and the argument
+                    if sys.getrefcount(c) > 4:
+                        waiting.add(i)
+                    else:
+                        todo.append(c)
+        o = c = None
+        # References held here: ``objs`` (1) and getrefcount's argument (1); no loop
+        # variable may hold the object while it is counted.
+        owned = {i for i in list(objs) if sys.getrefcount(objs[i]) - 2 <= refs.get(i, 0)}
+        owned.add(id(root))
+        found = waiting & owned
+        if not found:
+            break
+        waiting -= found
+        todo = [objs[i] for i in found]
+    total, seen, stack = 0, {id(root)}, [id(root)]
     while stack:
-        o = stack.pop()
-        mine = kids[id(o)] = []
-        for c in _children(o):
-            if (
-                id(c) in skip
-                or isinstance(c, _SHARED)
-                or getattr(type(c), "__branchgym_shared__", False)
-            ):
-                continue
-            refs[id(c)] = refs.get(id(c), 0) + 1
-            mine.append(id(c))
-            if id(c) not in objs:
-                objs[id(c)] = c
-                stack.append(c)
-    del stack, o, c
-    # References held here: ``objs`` (1) and getrefcount's argument (1); no loop variable
-    # may hold the object while it is counted.
-    owned = {i for i in list(objs) if sys.getrefcount(objs[i]) - 2 <= refs.get(i, 0)}
-    owned.add(id(root))
-    total, seen, todo = 0, {id(root)}, [id(root)]
-    while todo:
-        i = todo.pop()
+        i = stack.pop()
         try:
             total += sys.getsizeof(objs[i])
         except TypeError:
             pass
-        for c in kids[i]:
-            if c in owned and c not in seen:
-                seen.add(c)
-                todo.append(c)
+        for k in kids[i]:
+            if k in owned and k not in seen:
+                seen.add(k)
+                stack.append(k)
     return total
