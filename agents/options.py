@@ -99,7 +99,37 @@ class TrainArgs:
     device: str = "auto"
     """``auto`` (CUDA when present), ``cpu`` or ``cuda``."""
     precision: str = "auto"
-    """``auto``: float32 weights, bfloat16 autocast on CUDA; ``fp32``: float32 everywhere."""
+    """``auto``: float32 weights, bfloat16 autocast on CUDA; ``fp32``: float32 everywhere;
+    ``bf16``: bfloat16 weights and gradients, with float32 master weights and AdamW state
+    for what trains (LoRA adapters stay float32) (docs/learners.md, Memory)."""
+    lora_rank: int = 0
+    """LoRA rank through ``peft`` (0: train every weight). With LoRA only the adapters
+    train and are saved, and the KL reference is the base model with the adapters off."""
+    lora_alpha: float = 32.0
+    """LoRA scale numerator (the update is ``alpha / rank * B A``)."""
+    lora_targets: tuple[str, ...] = (
+        "q_proj",
+        "k_proj",
+        "v_proj",
+        "o_proj",
+        "gate_proj",
+        "up_proj",
+        "down_proj",
+    )
+    """Module names that get LoRA adapters (comma-separated on the CLI)."""
+    gradient_checkpointing: bool = False
+    """Recompute each layer's activations in backward instead of keeping them (the training
+    forward runs in train mode with dropout off; sampling stays in eval mode)."""
+    micro_batch_tokens: int = 0
+    """Token budget of one forward/backward pass inside an update (0: ``micro_batch_rows``
+    decides). Chunks may split a prompt group; the chunk weights keep the accumulated
+    gradient equal to one pass (Bellman PO, whose loss reads whole groups, cuts at groups)."""
+    pack_trees: bool = False
+    """Tree packing: the rows of one rollout tree go through one packed sequence, so the
+    prefix they share is read once per forward pass, not once per path."""
+    save_optimizer: bool = True
+    """Save the optimizer state in checkpoints (needed to resume exactly; off: weights,
+    or adapters, only)."""
     threads: int | None = None
     """torch CPU threads (one is fastest for tiny models on a shared CPU)."""
     executor: str = "inprocess"
@@ -109,6 +139,11 @@ class TrainArgs:
     ends that rollout, recorded as an error (the executor's per-call timeout)."""
     progress: bool = True
     """Show a tqdm progress bar."""
+    distributed: str = "auto"
+    """Data parallel over torch.distributed (:mod:`~branchgym.agents.distributed`):
+    ``auto`` (on when launched by ``torchrun`` with ``WORLD_SIZE > 1``: each rank grows its
+    share of a step's prompts, gradients are summed over ranks, checkpoints are sharded),
+    ``ddp`` (the same, an error without torchrun) or ``off`` (every rank trains alone)."""
 
     def check(self) -> None:
         """Raise :class:`TrainingConfigError` for an option out of range (subclasses extend)."""
@@ -117,7 +152,14 @@ class TrainArgs:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise TrainingConfigError(f"{name} must be an integer >= 1; got {value!r}.")
-        for name in ("micro_batch_rows", "warmup_steps", "eval_episodes", "eval_every"):
+        for name in (
+            "micro_batch_rows",
+            "micro_batch_tokens",
+            "lora_rank",
+            "warmup_steps",
+            "eval_episodes",
+            "eval_every",
+        ):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:
                 raise TrainingConfigError(f"{name} must be an integer >= 0; got {value!r}.")
@@ -151,7 +193,18 @@ class TrainArgs:
         require_one_of("policy", self.policy, ("auto", *POLICIES))
         require_one_of("lr_schedule", self.lr_schedule, LR_SCHEDULES)
         require_one_of("device", self.device, ("auto", "cpu", "cuda"))
-        require_one_of("precision", self.precision, ("auto", "fp32"))
+        require_one_of("precision", self.precision, ("auto", "fp32", "bf16"))
+        require(
+            not (self.micro_batch_rows and self.micro_batch_tokens),
+            "set one of micro_batch_rows and micro_batch_tokens (the other 0).",
+        )
+        if self.lora_rank:
+            require(self.lora_alpha > 0, f"lora_alpha must be > 0; got {self.lora_alpha}.")
+            require(
+                bool(self.lora_targets) and all(isinstance(t, str) for t in self.lora_targets),
+                "lora_targets must name modules, e.g. q_proj,v_proj.",
+            )
+        require_one_of("distributed", self.distributed, ("auto", "off", "ddp"))
         if not isinstance(self.env_kwargs, dict):
             raise TrainingConfigError(
                 f"env_kwargs must be a dict of gym.make keywords; got {self.env_kwargs!r}."

@@ -64,6 +64,13 @@ from branchgym.agents.checkpoints import (
     truncate_metrics,
     write_atomically,
 )
+from branchgym.agents.distributed import (
+    DataParallel,
+    data_parallel,
+    load_sharded,
+    reduce_metrics,
+    save_sharded,
+)
 from branchgym.agents.evaluation import SUCCESS_KEYS, EvalResult, evaluate, success_of
 from branchgym.agents.forward import (
     FORWARD_TOKENS,
@@ -218,7 +225,20 @@ class Run:
         args.check()
         self.algo = algo
         self.args = args
+        #: Data parallel place (rank 0 of 1 unless launched by torchrun; distributed.py).
+        self.dp: DataParallel = data_parallel(args.distributed, args.device)
+        if self.dp.active and args.prompts_per_step < self.dp.world:
+            raise TrainingConfigError(
+                f"prompts_per_step={args.prompts_per_step} leaves some of the {self.dp.world} "
+                "data parallel ranks without a prompt; give at least one prompt per rank."
+            )
         resume = load_checkpoint_state(args.resume) if args.resume else None
+        sharded = bool(resume and resume.get("sharded"))
+        if sharded and int(resume.get("world_size", 1)) != self.dp.world:
+            raise CheckpointError(
+                f"{args.resume} was written by {resume.get('world_size')} data parallel ranks; "
+                f"resume it with torchrun --nproc-per-node {resume.get('world_size')}."
+            )
         if resume is not None and resume.get("algo") != algo:
             raise CheckpointError(
                 f"{args.resume} is a {resume.get('algo')!r} checkpoint; resume it with "
@@ -231,8 +251,11 @@ class Run:
         self.bf16 = self.device.type == "cuda" and args.precision == "auto"
         torch.manual_seed(args.seed)
         with _quiet_transformers():
-            model, tok = load_model(args.resume or args.model)
+            # a sharded checkpoint holds no model folder's weights: the base model's
+            # architecture, then the shards (_load)
+            model, tok = load_model(args.model if sharded else (args.resume or args.model))
         model = model.float()  # float32 master weights; bf16 only as autocast (CUDA)
+        self.dp.broadcast_parameters(model)  # one start for every rank
         self.tokenizer = tok
         self.engine = HFEngine(
             model,
@@ -295,13 +318,17 @@ class Run:
                     f"{self.out_dir} already holds a run (metrics.jsonl); choose another "
                     "out_dir, resume it (resume=<checkpoint>) or set overwrite=true."
                 )
-            metrics_file.unlink()
+            if self.dp.is_main:
+                metrics_file.unlink(missing_ok=True)
+        self.dp.barrier()  # no rank reads the folder while rank 0 clears it
         if resume is not None:
             self._load(Path(args.resume), resume)
-        (self.out_dir / "args.json").write_text(
-            json.dumps({"algo": algo, **dataclasses.asdict(args)}, indent=2, default=str)
-        )
-        self._metrics = (self.out_dir / "metrics.jsonl").open("a")
+        self._metrics = None  # rank 0 alone writes the run's files
+        if self.dp.is_main:
+            (self.out_dir / "args.json").write_text(
+                json.dumps({"algo": algo, **dataclasses.asdict(args)}, indent=2, default=str)
+            )
+            self._metrics = (self.out_dir / "metrics.jsonl").open("a")
 
     # ---------------------------------------------------------------- set-up helpers
     def _env_kwargs(self, kwargs: dict[str, Any]) -> dict[str, Any]:
@@ -368,13 +395,23 @@ class Run:
 
     # ---------------------------------------------------------------- randomness
     def rng(self, *key: int) -> np.random.Generator:
-        """A generator derived from ``(seed, step, *key)``: steps replay exactly on resume."""
+        """A generator derived from ``(seed, step, *key)``: steps replay exactly on resume.
+
+        Learners key a prompt's randomness by its index ``i`` in :meth:`prompt_seeds`
+        (``rng(i)``, ``rng(i, j)``). Data parallel, that list is this rank's share, so the
+        first key is shifted to the prompt's global index: each rank draws distinct
+        streams, and every prompt draws what it would in one process.
+        """
+        if key and self.dp.active:
+            key = (key[0] + self.dp.share(self.args.prompts_per_step).start, *key[1:])
         return np.random.default_rng([self.args.seed, self.step, *key])
 
     def prompt_seeds(self) -> list[int]:
-        """This step's task instances (reset seeds)."""
-        rng = self.rng(0x5EED)
-        return [int(s) for s in rng.integers(0, 2**31 - 1, size=self.args.prompts_per_step)]
+        """This step's task instances (reset seeds); data parallel, this rank's share."""
+        rng = np.random.default_rng([self.args.seed, self.step, 0x5EED])
+        seeds = [int(s) for s in rng.integers(0, 2**31 - 1, size=self.args.prompts_per_step)]
+        share = self.dp.share(len(seeds))
+        return seeds[share.start : share.stop]
 
     # ---------------------------------------------------------------- log-probs
     def logprobs(
@@ -444,7 +481,8 @@ class Run:
         weight = weight or token_weight
         chunks = self.chunks(batch, rows)
         weights = [float(weight(batch, c)) for c in chunks]
-        total = sum(weights)
+        # data parallel: shares of the normaliser over every rank's rows (distributed.py)
+        total = self.dp.all_sum([sum(weights)])[0]
         self.optimizer.zero_grad(set_to_none=True)
         metrics: dict[str, float] = {}
         if total <= 0:
@@ -464,6 +502,11 @@ class Run:
             for k, v in m.items():
                 metrics[k] = metrics.get(k, 0.0) + share * float(v)
         params = [p for p in self.model.parameters() if p.requires_grad]
+        if self.dp.active:  # one process's gradient and loss on the whole batch
+            self.dp.sum_gradients(params)
+            keys = sorted(set().union(*self.dp.gather(sorted(metrics))))
+            summed = self.dp.all_sum([metrics.get(k, 0.0) for k in keys])
+            metrics = dict(zip(keys, summed, strict=True))
         max_norm = self.args.grad_clip if self.args.grad_clip > 0 else float("inf")
         norm = float(torch.nn.utils.clip_grad_norm_(params, max_norm))
         self.optimizer.step()
@@ -508,7 +551,11 @@ class Run:
             self.eval_start = self.evaluate()
             self.log_line({"step": 0, **self.eval_start.metrics()})
         bar = tqdm(
-            total=a.steps, initial=self.step, desc=self.algo, disable=not a.progress, leave=False
+            total=a.steps,
+            initial=self.step,
+            desc=self.algo,
+            disable=not a.progress or not self.dp.is_main,
+            leave=False,
         )
         stop: dict[str, str] = {}
         restore_handlers = stop_on_signals(stop)
@@ -524,7 +571,7 @@ class Run:
                     self.scheduler.step()
                 self.step += 1
                 line = {"step": self.step, "charts/lr": self.optimizer.param_groups[0]["lr"]}
-                line.update(self._pending)
+                line.update(reduce_metrics(self.dp, self._pending))
                 line["time/step_s"] = time.perf_counter() - self._t0
                 if a.eval_episodes and a.eval_every and self.step % a.eval_every == 0:
                     line.update(self.evaluate().metrics())
@@ -535,6 +582,8 @@ class Run:
                 )
                 if a.checkpoint_every and self.step % a.checkpoint_every == 0:
                     self.save()
+                if self.dp.active and self.dp.any(bool(stop)):  # every rank stops here
+                    stop.setdefault("signal", "a signal to another rank")
                 if stop:  # SIGINT/SIGTERM: stop at this step boundary, with a checkpoint
                     path = self._save_once()
                     raise KeyboardInterrupt(
@@ -550,7 +599,7 @@ class Run:
             done = self.last_checkpoint is not None and self.last_checkpoint.name == (
                 f"checkpoint-{self.step:06d}"
             )
-            if self.step and not done:
+            if self.step and not done and not self.dp.active:  # collective: not alone
                 try:
                     self.save(self.out_dir / f"checkpoint-{self.step:06d}-crash")
                 except Exception as save_exc:  # noqa: BLE001 - the original error matters
@@ -582,8 +631,9 @@ class Run:
         """Write one JSONL line (and keep it in :attr:`history`)."""
         clean = {k: (float(v) if k != "step" else int(v)) for k, v in line.items()}
         self.history.append(clean)
-        self._metrics.write(json.dumps(clean) + "\n")
-        self._metrics.flush()
+        if self._metrics is not None:  # rank 0 only
+            self._metrics.write(json.dumps(clean) + "\n")
+            self._metrics.flush()
 
     def evaluate(self) -> EvalResult:
         """Success on the fixed evaluation set (and the exact value where computable)."""
@@ -605,6 +655,8 @@ class Run:
         out = Path(folder) if folder else self.out_dir / f"checkpoint-{self.step:06d}"
         # Never write a diverged model: it would be resumed, and saved again, as if sound.
         check_finite(f"cannot save step {self.step}", self.model.named_parameters())
+        if self.dp.active:
+            return self._save_sharded(out)
         tmp = out.with_name(out.name + ".partial")
         if tmp.exists():
             import shutil
@@ -638,9 +690,70 @@ class Run:
         self.last_checkpoint = out
         return out
 
+    def _save_sharded(self, out: Path) -> Path:
+        """A data parallel checkpoint: DCP shards from every rank, the rest from rank 0."""
+        tmp = out.with_name(out.name + ".partial")
+        if self.dp.is_main:
+            if tmp.exists():
+                import shutil
+
+                shutil.rmtree(tmp)
+            tmp.mkdir(parents=True)
+        self.dp.barrier()
+        modules = {"model": self.model, **({"ref": self.ref} if self.ref is not None else {})}
+        save_sharded(tmp, modules, self.optimizer)
+        rng_states = self.dp.gather(torch.get_rng_state().tolist())
+        self.dp.barrier()
+        if self.dp.is_main:
+            with _quiet_transformers():
+                self.model.config.save_pretrained(tmp)
+                self.tokenizer.save_pretrained(tmp)
+            state = {
+                "version": CHECKPOINT_VERSION,
+                "algo": self.algo,
+                "step": self.step,
+                "args": dataclasses.asdict(self.args),
+                "sharded": True,
+                "world_size": self.dp.world,
+                "scheduler": self.scheduler.state_dict(),
+                "grad_norm": dataclasses.asdict(self.grad_norm),
+                "torch_rng_ranks": rng_states,
+                "policy": self.kind.name,
+                "files": file_digests(tmp),
+            }
+            (tmp / "trainer_state.json").write_text(json.dumps(state, default=json_default))
+            write_atomically(tmp, out)
+        self.dp.barrier()
+        self.last_checkpoint = out
+        return out
+
     def _load(self, folder: Path, state: dict[str, Any]) -> None:
         from safetensors.torch import load_file, load_model
 
+        if state.get("sharded"):
+            modules = {"model": self.model, **({"ref": self.ref} if self.ref is not None else {})}
+            if self.ref is not None and not any(k.startswith("ref.") for k in _dcp_keys(folder)):
+                raise CheckpointError(
+                    f"{folder} holds no KL reference, but this run has a KL term; resume "
+                    "with the options the checkpoint was made with."
+                )
+            load_sharded(folder, modules, self.optimizer)
+            self.scheduler.load_state_dict(state["scheduler"])
+            if state.get("policy") not in (None, self.kind.name):
+                raise CheckpointError(
+                    f"{folder} was trained with policy={state['policy']!r}; resume with the same."
+                )
+            check_finite(f"cannot resume from {folder}", self.model.named_parameters())
+            self.step = int(state["step"])
+            self.grad_norm = RunningStats(**state["grad_norm"])
+            rng = state["torch_rng_ranks"][self.dp.rank]
+            torch.set_rng_state(torch.tensor(rng, dtype=torch.uint8))
+            if self.dp.is_main:
+                self._continue_metrics(self.step)
+            self.dp.barrier()
+            if not self.dp.is_main:  # rank 0 rewrote the log; the others only read it
+                self.history = read_metrics(self.out_dir / "metrics.jsonl")
+            return
         try:
             tensors = load_file(str(folder / "optimizer.safetensors"))
             self.optimizer.load_state_dict(optimizer_state(tensors, state["optimizer"]))
@@ -677,12 +790,31 @@ class Run:
 
     def close(self) -> TrainResult:
         """Close the logs, draw the curves, shut the executor down; the run's result."""
-        self._metrics.close()
+        if self._metrics is not None:
+            self._metrics.close()
         self.executor.shutdown()
-        plot_curves(self.history, self.out_dir / "curves.png", title=self.algo)
+        if self.dp.is_main:
+            plot_curves(self.history, self.out_dir / "curves.png", title=self.algo)
+        self.dp.close()
         return TrainResult(
             self.out_dir, self.last_checkpoint, self.history, self.eval_start, self.eval_end
         )
+
+
+def read_metrics(path: Path) -> list[dict[str, Any]]:
+    """The lines of a ``metrics.jsonl`` (a line cut by a crash is skipped)."""
+    out = []
+    for raw in path.read_text().splitlines() if path.is_file() else []:
+        with contextlib.suppress(json.JSONDecodeError):
+            out.append(json.loads(raw))
+    return out
+
+
+def _dcp_keys(folder: Path) -> list[str]:
+    """The state-dict keys a torch.distributed.checkpoint folder holds."""
+    import torch.distributed.checkpoint as dcp
+
+    return list(dcp.FileSystemReader(str(folder)).read_metadata().state_dict_metadata)
 
 
 _BAR_KEYS = ("charts/success", "charts/return", "losses/policy_loss", "eval/success")

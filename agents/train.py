@@ -19,6 +19,7 @@ import dataclasses
 import difflib
 import importlib
 import json
+import os
 import sys
 import typing
 from typing import Any
@@ -216,6 +217,8 @@ def run(ns: argparse.Namespace) -> int:
     if ns.no_progress:
         options["progress"] = False
     result = train(algo, **options)
+    if os.environ.get("RANK", "0") != "0":  # data parallel: rank 0 reports for the run
+        return 0
     print(f"branchgym train {algo}: {result.out_dir}", file=sys.stderr)
     last = next((h for h in reversed(result.history) if "charts/success" in h), None)
     summary = {"out_dir": str(result.out_dir), "checkpoint": str(result.checkpoint)}
@@ -226,3 +229,9 @@ def run(ns: argparse.Namespace) -> int:
             summary[name] = ev.metrics()
     print(json.dumps(summary, indent=2))
     return 0
+
+
+if __name__ == "__main__":  # `python -m branchgym.agents.train`, e.g. under torchrun
+    from branchgym.cli import main as _cli_main
+
+    sys.exit(_cli_main(["train", *sys.argv[1:]]))
