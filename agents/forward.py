@@ -5,6 +5,11 @@
 * :func:`packed_forward`: the log-prob of every target of every pack in one padded
   pass; :func:`bucketed_forward` splits the packs into :func:`length_buckets` of at most
   :data:`FORWARD_TOKENS` padded tokens first.
+* :func:`pack_trees`: tree packing. The rows of one rollout tree share their prefix up to
+  each fork; merged into one :class:`Pack` (a token trie: every other row continues the
+  token where it leaves the rows before it), each shared prefix is read once per forward
+  pass instead of once per path, with the same log-probs (the 4-D mask and position ids
+  give every token exactly the context it had in its own row).
 """
 
 from __future__ import annotations
@@ -21,7 +26,16 @@ try:
 except ImportError as exc:  # pragma: no cover - exercised only without the extra
     raise DependencyMissingError.for_extra("branchgym.agents.forward", "llm", "torch") from exc
 
-__all__ = ["FORWARD_TOKENS", "Pack", "bucketed_forward", "length_buckets", "packed_forward"]
+__all__ = [
+    "FORWARD_TOKENS",
+    "Pack",
+    "PackedTree",
+    "backbone",
+    "bucketed_forward",
+    "length_buckets",
+    "pack_trees",
+    "packed_forward",
+]
 
 
 @dataclasses.dataclass
@@ -31,9 +45,13 @@ class Pack:
     Attributes:
         tokens: The row's dialogue, then any extra segments.
         segments: ``(start, end, attach)``: tokens ``[start, end)`` are a side branch that
-            sees ``tokens[:attach]`` and itself (causally), placed at positions
+            continues token ``attach - 1``: it sees what that token sees, that token, and
+            itself (causally), at the positions after that token's. For ``attach`` inside
+            the dialogue (before the first segment) that is ``tokens[:attach]`` at positions
             ``attach, attach + 1, ...``: how other candidates of a decision are scored
-            without repeating the dialogue.
+            without repeating the dialogue. A segment may also continue a token of an
+            earlier segment (a tree of branches, :func:`pack_trees`); ``attach = 0`` sees
+            only itself. Segments come in order: ``attach <= start``.
         targets: ``(predictor, token)``: score ``token`` under the distribution at index
             ``predictor``.
     """
@@ -46,7 +64,8 @@ class Pack:
         """Position id of every token (side branches continue their attach point)."""
         pos = list(range(len(self.tokens)))
         for start, end, attach in self.segments:
-            pos[start:end] = range(attach, attach + end - start)
+            first = pos[attach - 1] + 1 if attach > 0 else 0
+            pos[start:end] = range(first, first + end - start)
         return pos
 
 
@@ -86,7 +105,13 @@ def packed_forward(
         first = min([s for s, _, _ in p.segments] + [n])
         att[i, :first, :first] = torch.tril(torch.ones(first, first, dtype=torch.bool))
         for start, end, attach in p.segments:
-            att[i, start:end, :attach] = True
+            if attach > start:
+                raise TrainingConfigError(
+                    f"a side branch at {start} continues token {attach - 1}, which comes after "
+                    "it; list segments after the tokens they continue."
+                )
+            if attach > 0:
+                att[i, start:end, :start] = att[i, attach - 1, :start]  # the parent's context
             att[i, start:end, start:end] = torch.tril(
                 torch.ones(end - start, end - start, dtype=torch.bool)
             )
@@ -106,10 +131,11 @@ def packed_forward(
         cols.extend(where)
     r = torch.tensor(rows, dtype=torch.long, device=device)
     c = torch.tensor(cols, dtype=torch.long, device=device)
-    base = getattr(model, "base_model", None)
-    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
-    if base is not None and head is not None and base is not model:
-        hidden = base(input_ids=ids, attention_mask=att, position_ids=pos).last_hidden_state
+    base, head = backbone(model)
+    if base is not None and head is not None:
+        hidden = base(
+            input_ids=ids, attention_mask=att, position_ids=pos, use_cache=False
+        ).last_hidden_state
         logits = head(hidden[r, c])
     else:  # a model without a separate head: the full logits
         logits = model(input_ids=ids, attention_mask=att, position_ids=pos).logits[r, c]
@@ -127,6 +153,85 @@ def packed_forward(
         extra.append(logits[at : at + len(where)])
         at += len(where)
     return out, extra
+
+
+def backbone(model: Any) -> tuple[Any, Any]:
+    """``(transformer, output layer)`` of a causal LM, or ``(None, None)``.
+
+    A PEFT model (LoRA) is unwrapped to the model its adapters were injected into: the
+    adapters live inside its layers, so the unwrapped transformer runs them (and honours
+    ``disable_adapter()``, the KL reference).
+    """
+    inner = model.get_base_model() if hasattr(model, "get_base_model") else model
+    base = getattr(inner, "base_model", None)
+    head = inner.get_output_embeddings() if hasattr(inner, "get_output_embeddings") else None
+    if base is None or head is None or base is inner:
+        return None, None
+    return base, head
+
+
+@dataclasses.dataclass
+class PackedTree:
+    """Where one input pack went in :func:`pack_trees`.
+
+    Attributes:
+        pack: Index of the merged pack.
+        offset: Its first target among the merged pack's targets (they stay in order).
+        index: Each of its token indices -> the merged pack's index of that token.
+    """
+
+    pack: int
+    offset: int
+    index: list[int]
+
+
+def pack_trees(packs: Sequence[Pack], keys: Sequence[Any]) -> tuple[list[Pack], list[PackedTree]]:
+    """Merge the packs that share a key (a tree) into one pack each: tree packing.
+
+    The main sequences (tokens before the first segment) are put in a token trie: a pack
+    reuses the longest prefix an earlier pack of its key already holds and adds the rest
+    as a segment continuing the last shared token, so each shared prefix is read once.
+    Its own side branches (scoring candidates) are copied after it, re-attached; its
+    targets keep their order, so its scores are a contiguous slice of the merged pack's.
+
+    Returns:
+        The merged packs (in order of each key's first pack) and, per input pack, a
+        :class:`PackedTree` that finds its targets and tokens in them.
+    """
+    merged: list[Pack] = []
+    tries: dict[Any, tuple[int, dict[tuple[int, int], int]]] = {}
+    where: list[PackedTree] = []
+    for p, key in zip(packs, keys, strict=True):
+        if key not in tries:
+            tries[key] = (len(merged), {})
+            merged.append(Pack([]))
+        m, children = tries[key]
+        out = merged[m]
+        first = min([s for s, _, _ in p.segments] + [len(p.tokens)])
+        index: list[int] = []
+        node = -1
+        j = 0
+        while j < first and (node, p.tokens[j]) in children:
+            node = children[(node, p.tokens[j])]
+            index.append(node)
+            j += 1
+        if j < first:
+            start = len(out.tokens)
+            if start:  # the first pack of a key is the merged pack's dialogue
+                out.segments.append((start, start + first - j, node + 1))
+            for t in p.tokens[j:first]:
+                children[(node, t)] = len(out.tokens)
+                node = len(out.tokens)
+                index.append(node)
+                out.tokens.append(t)
+        for start, end, attach in p.segments:
+            at = len(out.tokens)
+            index.extend(range(at, at + end - start))
+            out.tokens.extend(p.tokens[start:end])
+            out.segments.append((at, at + end - start, index[attach - 1] + 1 if attach else 0))
+        where.append(PackedTree(m, len(out.targets), index))
+        out.targets.extend((index[pred] if pred >= 0 else pred, tok) for pred, tok in p.targets)
+    return merged, where
 
 
 #: Padded tokens (rows x longest row) per forward pass of :func:`bucketed_forward`.
@@ -159,8 +264,33 @@ def bucketed_forward(
     device: torch.device,
     *,
     logit_positions: Sequence[Sequence[int]] | None = None,
+    trees: Sequence[Any] | None = None,
 ) -> tuple[list[Tensor], list[Tensor]]:
-    """:func:`packed_forward` over :func:`length_buckets`; results in the packs' order."""
+    """:func:`packed_forward` over :func:`length_buckets`; results in the packs' order.
+
+    ``trees`` (a key per pack, e.g. its rollout tree) turns on tree packing: packs of one
+    key are merged by :func:`pack_trees` and their results read back per input pack.
+    """
+    if trees is not None:
+        merged, where = pack_trees(packs, trees)
+        positions = None
+        if logit_positions is not None:
+            positions = [[] for _ in merged]
+            for w, pos in zip(where, logit_positions, strict=True):
+                positions[w.pack].extend(w.index[q] for q in pos)
+        scores, extra = bucketed_forward(model, merged, device, logit_positions=positions)
+        out = [
+            scores[w.pack][w.offset : w.offset + len(p.targets)]
+            for w, p in zip(where, packs, strict=True)
+        ]
+        if logit_positions is None:
+            return out, []
+        taken = [0] * len(merged)
+        rows = []
+        for w, pos in zip(where, logit_positions, strict=True):
+            rows.append(extra[w.pack][taken[w.pack] : taken[w.pack] + len(pos)])
+            taken[w.pack] += len(pos)
+        return out, rows
     buckets = length_buckets([len(p.tokens) for p in packs], FORWARD_TOKENS)
     if len(buckets) == 1:
         return packed_forward(model, packs, device, logit_positions=logit_positions)

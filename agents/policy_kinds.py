@@ -83,11 +83,13 @@ class PolicyKind:
         device: torch.device,
         *,
         logit_positions: Sequence[Sequence[int]] | None = None,
+        pack_trees: bool = False,
     ) -> tuple[list[list[Tensor]], list[Tensor]]:
         """Per row, per decision, the log-prob of each token under ``model``.
 
         Gradients flow when called outside ``torch.no_grad``. ``logit_positions`` (row
-        sequence positions) returns full logits there, for PBR.
+        sequence positions) returns full logits there, for PBR. ``pack_trees`` reads the
+        prefix the rows of one tree share once (:func:`~branchgym.agents.forward.pack_trees`).
         """
         live = [i for i, r in enumerate(rows) if r.decisions]
         out: list[list[Tensor]] = [[] for _ in rows]
@@ -106,7 +108,10 @@ class PolicyKind:
                     )
                 where.append([] if split else logit_positions[i])
         packs, plans = self.packs(policy, [sub for _, sub in pieces])
-        scores, extra = forward.bucketed_forward(model, packs, device, logit_positions=where)
+        trees = [rows[i].tree for i, _ in pieces] if pack_trees else None
+        scores, extra = forward.bucketed_forward(
+            model, packs, device, logit_positions=where, trees=trees
+        )
         row_extra: dict[int, Tensor] = {}
         for (i, _), s, plan, e in zip(
             pieces, scores, plans, extra or [None] * len(pieces), strict=True
