@@ -17,6 +17,7 @@ from branchgym.agents.distributed import (  # noqa: E402
     data_parallel,
     reduce_metrics,
 )
+
 from branchgym.error import CheckpointError, TrainingConfigError  # noqa: E402
 
 WORKER = Path(__file__).with_name("dist_worker.py")
@@ -61,9 +62,8 @@ def _dcp_model(folder: Path, tmp: Path) -> dict:
 
 @pytest.mark.slow
 def test_two_gloo_ranks_equal_one_process_and_resume_from_shards(tmp_path):
-    from safetensors.torch import load_file
-
     from branchgym.agents.train import train
+    from safetensors.torch import load_file
 
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     env.pop("WORLD_SIZE", None)
