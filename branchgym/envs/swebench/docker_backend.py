@@ -33,10 +33,20 @@ size=`` where the storage driver supports it (overlay2 on xfs with project quota
 btrfs, zfs); elsewhere only the per-file limit holds. The root file system stays
 writable: a snapshot is a commit of the container's writable layer.
 
-Images: the task image is the base image (``branchgym/swebench-base:bookworm``, built
-offline by ``scripts/swebench_docker_image.sh``: Debian minbase with python3, git,
-pytest) plus the task's checkout at ``/testbed``, built once and kept; or any image
-with the repository at ``/testbed`` (SWE-bench's per-instance images) via ``image=``.
+Images (``image=``): by default (``auto``) SWE-bench's own per-instance image when one is
+on the daemon (the task row's ``image``, else the names the ``swebench`` package gives it:
+``swebench/sweb.eval.x86_64.<id, __ as _1776_>:latest`` as published, then
+``sweb.eval.x86_64.<id>:latest`` as its build functions tag it locally; nothing is
+pulled), else the base image (``branchgym/swebench-base:bookworm``, built offline by
+``scripts/swebench_docker_image.sh``: Debian minbase with python3, git, pytest) plus the
+task's checkout at ``/testbed``, built once and kept. ``swebench`` requires SWE-bench's
+image, ``branchgym`` always builds from the checkout, anything else is an image name or
+an ``{instance_id}`` template. A SWE-bench image already holds the repository: no clone is
+needed. Its commands run as its user (root) in its own environment: the image's ``ENV``
+with the conda ``testbed`` environment activated as the harness's eval script does
+(``source /opt/miniconda3/bin/activate; conda activate testbed``), read once per image;
+and the submission is diffed against the image's ``HEAD`` (:attr:`DockerSandbox.base_ref`:
+the task's base commit plus the image's own setup commit).
 """
 
 from __future__ import annotations
@@ -77,10 +87,21 @@ __all__ = [
     "docker_client",
     "owned_resources",
     "prune_stale",
+    "swebench_image_names",
+    "IMAGE_MODES",
+    "SWEBENCH_NAMESPACE",
+    "CONDA_ACTIVATE",
 ]
 
 #: The base image ``scripts/swebench_docker_image.sh`` builds (``$BRANCHGYM_DOCKER_IMAGE``).
 BASE_IMAGE = os.environ.get("BRANCHGYM_DOCKER_IMAGE", "branchgym/swebench-base:bookworm")
+#: ``image=`` words: SWE-bench's image if present else built here / SWE-bench's only /
+#: built here only (anything else is an image name or ``{instance_id}`` template).
+IMAGE_MODES = ("auto", "swebench", "branchgym")
+#: The Docker Hub namespace SWE-bench publishes its images under.
+SWEBENCH_NAMESPACE = "swebench"
+#: What SWE-bench's eval scripts source before ``conda activate testbed``.
+CONDA_ACTIVATE = "/opt/miniconda3/bin/activate"
 _LABEL = "branchgym.sandbox"
 #: The agent's uid and gid in branchgym-built images, and its home folder there.
 SANDBOX_UID = 1000
@@ -115,6 +136,53 @@ def docker_client() -> Any:
             ) from exc
         _CLIENT = client
     return _CLIENT
+
+
+def swebench_image_names(
+    task: SWEBenchTask, namespace: str | None = SWEBENCH_NAMESPACE
+) -> list[str]:
+    """SWE-bench's image names for ``task``, in the order the backend looks them up.
+
+    The task row's ``image`` (SWE-bench 5 rows name their image), then the name the
+    ``swebench`` package's ``ImageSpec`` gives the instance under ``namespace`` (as
+    published: ``swebench/sweb.eval.x86_64.django_1776_django-11099:latest``), then
+    without a namespace (as its build functions tag a local build:
+    ``sweb.eval.x86_64.django__django-11099:latest``).
+
+    Raises:
+        DependencyMissingError: the ``swebench`` package is not installed.
+    """
+    try:
+        from swebench.image_builder.image_spec import ImageSpec
+    except ImportError as exc:
+        raise DependencyMissingError.for_extra(
+            "SWE-bench's image names", "swebench", "swebench"
+        ) from exc
+    names = []
+    if isinstance(task.extra.get("image"), str) and task.extra["image"]:
+        names.append(task.extra["image"])
+    for ns in dict.fromkeys([namespace, None]):
+        # The package's own naming rule (arch tag, lower case, "__" -> "_1776_" when
+        # namespaced); the Dockerfile is not needed for the name.
+        spec = ImageSpec(instance_id=task.instance_id, dockerfile="(name only)", namespace=ns)
+        if spec.name not in names:
+            names.append(spec.name)
+    return names
+
+
+@dataclasses.dataclass(frozen=True)
+class _ImageInfo:
+    """How commands run in containers of one image (and of snapshots taken from them).
+
+    ``env`` is None for branchgym-built images (commands get :func:`default_env`); for
+    SWE-bench's images it is the image's environment with ``testbed`` activated, and
+    ``head`` the commit ``/testbed`` is at in the image.
+    """
+
+    user: str
+    env: Mapping[str, str] | None = None
+    head: str | None = None
+    name: str = ""
 
 
 def _labels(**extra: str) -> dict[str, str]:
@@ -336,6 +404,24 @@ class _Container:
             raise
         self.refs = 1
         self.lock = threading.Lock()
+        self.info = backend.image_info(image_id)
+        #: The container's ``sleep`` (pid in its namespace), which a root command's
+        #: clean-up must spare: ``kill -9 -1`` as root would stop the container.
+        self.main_pid = 0
+        if self.info.user.split(":")[0] == "0":
+            self.main_pid = self._main_pid()
+
+    def _main_pid(self) -> int:
+        api = self.backend.client.api
+        argv = ["cat", "/proc/1/task/1/children"]
+        ex = api.exec_create(self.c.id, argv, stdout=True, stderr=False, user="0")
+        words = api.exec_start(ex["Id"]).split()
+        if len(words) != 1 or not words[0].isdigit():
+            self.drop()
+            raise SandboxError(
+                f"cannot find the container's main process (pid 1's children: {words!r})"
+            )
+        return int(words[0])
 
     def hold(self) -> None:
         with self.lock:
@@ -383,6 +469,21 @@ class DockerSandbox(Sandbox):
         self.backend = "docker-git" if backend.snapshot_mode == "git" else "docker"
         self.box = _Container(backend, image_id)
 
+    @property
+    def base_ref(self) -> str | None:
+        """The commit ``/testbed`` was at in a SWE-bench image (None: the task's base commit).
+
+        SWE-bench's images hold the task's base commit plus a setup commit of their own
+        (what installing the repository changed); a submission is the diff against it.
+        """
+        return self.box.info.head
+
+    def default_env(self) -> dict[str, str]:
+        """The environment a new shell starts with: the image's (``testbed`` active) or ours."""
+        if self.box.info.env is not None:
+            return dict(self.box.info.env)
+        return self.b.default_env()
+
     # -- commands -----------------------------------------------------------------
     def exec(
         self,
@@ -394,7 +495,7 @@ class DockerSandbox(Sandbox):
     ) -> ExecResult:
         """Run ``bash -c`` through ``docker exec`` (``timeout`` kills it inside the container)."""
         self._check_open()
-        env = dict(self.b.default_env() if env is None else env)
+        env = dict(self.default_env() if env is None else env)
         script = f"cd -- {shlex.quote(cwd)} || exit 1\n{command}"
         run = (
             "timeout -k 5 " + f"{timeout:g}" + ' bash -c "$1"'
@@ -402,11 +503,17 @@ class DockerSandbox(Sandbox):
             else 'bash -c "$1"'
         )
         # When the command ends (or times out), everything it left running dies with it.
-        wrapper = f"{run}; rc=$?; kill -9 -1 2>/dev/null; exit $rc"
+        kill = "kill -9 -1 2>/dev/null"
+        if self.box.main_pid:  # root: every process but init, the container's sleep and us
+            kill = (
+                "for _ in 1 2 3; do for d in /proc/[0-9]*; do p=${d#/proc/}; case $p in "
+                f"1|{self.box.main_pid}|$$) ;; *) kill -9 $p 2>/dev/null;; esac; done; done"
+            )
+        wrapper = f"{run}; rc=$?; {kill}; exit $rc"
         argv = ["env", "-i", *(f"{k}={v}" for k, v in env.items())]
         argv += ["bash", "-c", wrapper, "branchgym", script]
         before = self.b.cgroup_counts(self.box.c.id)
-        res = self._exec(argv, timeout, user=self.b.user)
+        res = self._exec(argv, timeout, user=self.box.info.user)
         return dataclasses.replace(res, limit=self._limit_hit(res, before))
 
     def _limit_hit(self, res: ExecResult, before: dict[str, int]) -> str:
@@ -464,13 +571,13 @@ class DockerSandbox(Sandbox):
             '{ t=$(realpath -m -- "$p/$2"); case "$t" in /testbed/*) ;; *) exit 3;; esac; }'
         )
         argv = ["bash", "-c", check, "write", parent, name]
-        res = self._exec(argv, 60.0, user=self.b.user)
+        res = self._exec(argv, 60.0, user=self.box.info.user)
         if res.exit_code == 3:
             raise SandboxError(f"{path!r} resolves outside the repository (through a symlink)")
         if res.exit_code != 0:
             raise SandboxError(f"cannot write {path!r} in the container: {res.text[-300:]}")
         buf = io.BytesIO()
-        uid, _, gid = self.b.user.partition(":")
+        uid, _, gid = self.box.info.user.partition(":")
         with tarfile.open(fileobj=buf, mode="w") as tar:
             info = tarfile.TarInfo(name)
             info.uid, info.gid = int(uid or 0), int(gid or uid or 0)
@@ -518,7 +625,7 @@ class DockerSandbox(Sandbox):
         raise SandboxError(f"a {self.kind} sandbox cannot restore a {snap.kind} snapshot")
 
     def _git_restore(self, manifest_id: str) -> None:
-        argv = ["python3", "-c", _GIT_SNAPSHOT, "restore", manifest_id, self.b.user]
+        argv = ["python3", "-c", _GIT_SNAPSHOT, "restore", manifest_id, self.box.info.user]
         res = self._exec(argv, 600.0)
         if res.exit_code != 0:
             raise SandboxError(f"in-container git restore failed: {res.text[-1000:]}")
@@ -560,13 +667,16 @@ class DockerBackend:
 
     Args:
         snapshot_mode: ``commit`` (images) or ``git`` (trees inside the container).
-        image: Image name or ``{instance_id}`` template for the tasks; default: the base
-            image plus each task's checkout.
+        image: ``auto`` (default; None is the same): SWE-bench's image of the task when
+            the daemon has it (see :func:`swebench_image_names`), else the base image
+            plus the task's checkout; ``swebench``: SWE-bench's image only;
+            ``branchgym``: always the base image plus the checkout; anything else: an
+            image name or ``{instance_id}`` template. Nothing is pulled.
         max_layers: Flatten a snapshot image once it has this many layers.
         limits: Resource limits (per container; see the module docstring).
         user: ``uid:gid`` the agent's commands run as; default ``1000:1000`` in
-            branchgym-built images (which give it /testbed and /home/agent), ``0:0`` in
-            images given with ``image=``.
+            branchgym-built images (which give it /testbed and /home/agent), ``0:0``
+            (SWE-bench's container user) in SWE-bench's and other given images.
     """
 
     def __init__(
@@ -582,14 +692,16 @@ class DockerBackend:
         if snapshot_mode not in ("commit", "git"):
             raise SandboxError(f"snapshot_mode must be 'commit' or 'git', not {snapshot_mode!r}")
         self.snapshot_mode = snapshot_mode
-        self.image = image
+        self.image = image or "auto"
         self.max_layers = max_layers
         self.limits = Limits.of(limits)  # type: ignore[arg-type]
-        if user is None:
-            user = "0:0" if image else f"{SANDBOX_UID}:{SANDBOX_UID}"
-        if not re.fullmatch(r"\d+(:\d+)?", str(user)):
+        if user is not None and not re.fullmatch(r"\d+(:\d+)?", str(user)):
             raise SandboxError(f"user must be 'uid' or 'uid:gid' (numbers), not {user!r}")
-        self.user = str(user)
+        #: The agent's user in branchgym-built images, and in SWE-bench's / given ones.
+        self.user = str(user or f"{SANDBOX_UID}:{SANDBOX_UID}")
+        self.image_user = str(user or "0:0")
+        #: image id -> how its containers run commands (snapshot images inherit it).
+        self._info: dict[str, _ImageInfo] = {}
         self.client = docker_client()
         self.images = _images_for(self.client)
         self.pool = _pool()
@@ -638,7 +750,7 @@ class DockerBackend:
         if key not in _QUOTA:
             try:
                 c = self.client.containers.create(
-                    BASE_IMAGE if not self.image else self.image.split("{")[0] or BASE_IMAGE,
+                    BASE_IMAGE,
                     ["true"],
                     storage_opt={"size": "1G"},
                     labels=_labels(),
@@ -701,18 +813,64 @@ class DockerBackend:
         wait_idle()
 
     # -- images -------------------------------------------------------------------
-    def task_image(self, task: SWEBenchTask, checkout: Path) -> str:
-        """The image of ``task`` (its checkout at /testbed), built once and kept."""
+    def image_info(self, image_id: str) -> _ImageInfo:
+        """How commands run in containers of ``image_id``."""
+        return self._info.get(image_id) or _ImageInfo(user=self.user)
+
+    def given_image(self, task: SWEBenchTask) -> tuple[str, str] | None:
+        """(image id, name) of the image ``task`` runs in when it is not built here.
+
+        None when the task's checkout is built into the base image instead (``branchgym``,
+        or ``auto`` without SWE-bench's image on the daemon).
+
+        Raises:
+            SandboxUnavailableError: ``swebench`` or a named image, and the daemon does
+                not have it (the message says how to load it).
+        """
         docker = _docker()
-        if self.image:
-            name = self.image.format(instance_id=task.instance_id)
+        if self.image == "branchgym":
+            return None
+        if self.image in ("auto", "swebench"):
             try:
-                return self.client.images.get(name).id
-            except docker.errors.ImageNotFound as exc:
-                raise SandboxUnavailableError(
-                    f"image {name!r} is not on this Docker daemon; load or build it first "
-                    "(branchgym never pulls images)."
-                ) from exc
+                names = swebench_image_names(task)
+            except DependencyMissingError:
+                if self.image == "swebench":
+                    raise
+                return None
+        else:
+            names = [self.image.format(instance_id=task.instance_id)]
+        for name in names:
+            try:
+                return self.client.images.get(name).id, name
+            except docker.errors.ImageNotFound:
+                continue
+        if self.image == "auto":
+            return None
+        raise SandboxUnavailableError(
+            f"no image for {task.instance_id} on this Docker daemon (looked for "
+            f"{', '.join(map(repr, names))}); branchgym never pulls images: `docker load` "
+            "a saved image, pull it from your registry mirror and `docker tag` it to one of "
+            "these names, or build it with the swebench package (docs/swebench.md, Docker)."
+        )
+
+    def needs_checkout(self, task: SWEBenchTask) -> bool:
+        """Does ``task`` need a local clone (False when its image holds the repository)?"""
+        return self.given_image(task) is None
+
+    def task_image(self, task: SWEBenchTask, checkout: Path | None) -> str:
+        """The image of ``task``: SWE-bench's / the given one, or its checkout built in."""
+        docker = _docker()
+        given = self.given_image(task)
+        if given is not None:
+            image_id, name = given
+            if image_id not in self._info:
+                self._info[image_id] = _ImageInfo(user=self.image_user, name=name)
+            return image_id
+        if checkout is None:
+            raise SandboxUnavailableError(
+                f"{task.instance_id} has no SWE-bench image on this daemon and no checkout "
+                "was given: load its image (docs/swebench.md, Docker) or pass repos_dir."
+            )
         try:
             base = self.client.images.get(BASE_IMAGE)
         except docker.errors.ImageNotFound as exc:
@@ -761,6 +919,8 @@ class DockerBackend:
         """Commit a container into a snapshot image (flattened near the layer limit)."""
         img = box.c.commit(pause=False, conf={"Labels": _labels(**{_SNAP_LABEL: "1"})})
         self.images.adopt(img.id, box.image_id)
+        if box.info.name:  # a SWE-bench image's snapshots run commands as it does
+            self._info[img.id] = box.info
         layers = len(img.attrs.get("RootFS", {}).get("Layers", []))
         if layers < self.max_layers:
             return img.id
@@ -788,14 +948,55 @@ class DockerBackend:
         if not flat_id.startswith("sha256:"):
             raise SandboxError(f"flattening a snapshot image failed: {out[-300:]}")
         self.images.adopt(flat_id, None)
+        if img.id in self._info:
+            self._info[flat_id] = self._info[img.id]
         self.images.hold(img.id)
         self.later(lambda: self.images.drop(img.id))  # the unflattened image goes
         return flat_id
 
     # -- sandboxes ----------------------------------------------------------------
-    def create(self, task: SWEBenchTask, checkout: Path) -> DockerSandbox:
-        """A container at the task's base commit."""
-        return DockerSandbox(self, self.task_image(task, checkout))
+    def create(self, task: SWEBenchTask, checkout: Path | None) -> DockerSandbox:
+        """A container at the task's base commit (``checkout``: None for a given image)."""
+        sb = DockerSandbox(self, self.task_image(task, checkout))
+        info = sb.box.info
+        if info.name and info.env is None:
+            try:
+                info = self._probe(sb, info)
+            except BaseException:
+                sb.close()
+                raise
+            self._info[sb.box.image_id] = sb.box.info = info
+        return sb
+
+    def _probe(self, sb: DockerSandbox, info: _ImageInfo) -> _ImageInfo:
+        """Read a given image's environment (``testbed`` activated) and ``/testbed``'s HEAD."""
+        try:  # the package's name for it, where installed
+            from swebench.image_builder.constants import CONTAINER_ENV_NAME as env_name
+        except ImportError:
+            env_name = "testbed"
+        act = shlex.quote(CONDA_ACTIVATE)
+        script = (
+            f"if [ -f {act} ]; then source {act} && conda activate {env_name} "
+            ">/dev/null 2>&1 || { echo 'conda activate failed' >&2; exit 3; }; fi; "
+            f"git -C {WORKDIR} rev-parse HEAD 2>/dev/null || echo; env -0"
+        )
+        res = sb._exec(["bash", "-c", script], 120.0, user=info.user)
+        if res.exit_code != 0:
+            raise SandboxError(
+                f"image {info.name!r}: `source {CONDA_ACTIVATE}; conda activate "
+                f"{env_name}` failed (SWE-bench's eval scripts need it): {res.text[-500:]}"
+            )
+        head, _, blob = res.output.partition(b"\n")
+        env = {}
+        for item in blob.split(b"\x00"):
+            k, sep, v = item.decode("utf-8", "surrogateescape").partition("=")
+            if sep and k not in ("PWD", "OLDPWD", "SHLVL", "_"):
+                env[k] = v
+        # branchgym's non-interactive defaults (pager off, no bytecode, a git identity)
+        # where the image sets nothing; the image's own values (PATH, HOME...) win.
+        merged = {k: v for k, v in default_env(home="/root").items() if k != "PATH"}
+        merged.update(env)
+        return dataclasses.replace(info, env=merged, head=head.decode().strip() or None)
 
     def from_snapshot(self, snap: SandboxSnapshot) -> DockerSandbox:
         """A new container in ``snap``'s state."""

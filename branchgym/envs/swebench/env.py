@@ -54,6 +54,7 @@ __all__ = [
     "AnyText",
     "EXAMPLE_COMMANDS",
     "PROBE_ACTIONS",
+    "HOSTILE_ACTIONS",
     "BACKENDS",
 ]
 
@@ -90,6 +91,27 @@ PROBE_ACTIONS = (
     "cat README.md | tail -3; ls -a",
     "python3 -c 'import os; print(sorted(os.listdir()))'",
     "submit",
+)
+
+#: What hostile or careless agents do to a work tree (docs/swebench.md, "Snapshots"):
+#: nested repositories (with commits, unborn, cloned), an orphan branch, FIFOs, hard
+#: links (written through one name, read through the other), dangling and outside
+#: symlinks, rename(2) and deletion of folders made earlier, modes and explicit times.
+#: Deterministic, so the fidelity suite's model replays them exactly.
+HOSTILE_ACTIONS = (
+    "git init -q sub && cd sub && echo s > s.txt && git add s.txt && "
+    "git -c user.name=a -c user.email=a@a commit -qm s; cd /testbed; git -C sub log --oneline",
+    "git init -q unborn; echo u > unborn/u.txt; ls -a unborn",
+    "rm -rf clone; git clone -q . clone 2>&1; ls clone | head -3",
+    "git checkout -q --orphan orphan 2>&1; git status --short | head -3",
+    "mkfifo pipe 2>&1; stat -c '%F %a' pipe",
+    "ln -f README.md hard.md 2>&1; stat -c '%h' README.md",
+    "echo via-hard >> hard.md; tail -1 README.md",
+    "ln -sfn /nonexistent dangling; ln -sfn /etc/hostname outside; ls -l dangling outside | wc -l",
+    "mkdir -p olddir/sub && echo o > olddir/sub/f && ls olddir",
+    "python3 -c \"import os; os.rename('olddir', 'newdir')\" 2>&1 | tail -1; ls -d *dir",
+    "rm -rf olddir newdir sub/.git; ls",
+    "chmod 700 olddir 2>&1; touch -d @1000000000 README.md; stat -c '%a %Y %n' README.md",
 )
 
 #: backend name -> what it is.
@@ -146,6 +168,7 @@ class _Saved:
     obs: str
     info: dict[str, Any]
     rng: dict[str, Any] | None
+    base_ref: str = ""
 
 
 #: Variables bash sets itself; they are not state the agent chose.
@@ -171,9 +194,13 @@ class SWEBenchEnv(SnapshottableEnv[str, str]):
         max_output_chars: Observations longer than this keep their head and tail.
         max_command_chars: Longer actions are refused as invalid.
         isolation: Local backends: ``auto``/``bwrap``, or ``none`` (no isolation).
-        docker_image: Docker backends: image name, or a template with ``{instance_id}``
-            (e.g. SWE-bench's per-instance images); default: built from the branchgym
-            base image and the task's checkout.
+        docker_image: Docker backends: ``auto`` (default): SWE-bench's own image of the
+            task where the daemon has it (``swebench/sweb.eval.x86_64.<id>:latest``,
+            named by the ``swebench`` package; no clone needed, commands run in its
+            conda ``testbed`` environment, the submission is diffed against its HEAD),
+            else the branchgym base image plus the task's checkout; ``swebench``:
+            SWE-bench's image only; ``branchgym``: the checkout only; or an image name
+            or ``{instance_id}`` template. Images are never pulled (docs/swebench.md).
         max_layers: Overlay stacks deeper than this are squashed.
         suggested_actions: Commands to list in ``info["admissible_actions"]`` (for
             scripted agents and the fidelity checker; see :data:`PROBE_ACTIONS`).
@@ -216,7 +243,10 @@ class SWEBenchEnv(SnapshottableEnv[str, str]):
         harness_guard: bool = True,
     ) -> None:
         """Load the tasks and start the backend (no sandbox exists before ``reset``)."""
-        self.tasks, self.repos_dir = self._load(tasks, instance_ids, repos_dir)
+        # Docker with SWE-bench's (or a given) image needs no clone: a missing repos_dir
+        # is an error only when a task turns out to need a checkout.
+        images = backend in ("docker", "docker-git") and docker_image != "branchgym"
+        self.tasks, self.repos_dir = self._load(tasks, instance_ids, repos_dir, images)
         self._by_id = {t.instance_id: t for t in self.tasks}
         if backend not in BACKENDS:
             raise SandboxError(f"unknown backend {backend!r}; choose one of {', '.join(BACKENDS)}")
@@ -239,6 +269,7 @@ class SWEBenchEnv(SnapshottableEnv[str, str]):
         self.action_space = ShellCommandSpace(self.max_command_chars)
         self.sandbox: Sandbox | None = None
         self.task: SWEBenchTask | None = None
+        self._base_ref = ""
         self.shell = _ShellState(WORKDIR, {})
         self.done = False
         self.last_obs = ""
@@ -250,7 +281,9 @@ class SWEBenchEnv(SnapshottableEnv[str, str]):
 
     # ----------------------------------------------------------------- tasks
     @staticmethod
-    def _load(tasks: Any, ids: Sequence[str] | None, repos_dir: Any) -> tuple[list, Path]:
+    def _load(
+        tasks: Any, ids: Sequence[str] | None, repos_dir: Any, images: bool = False
+    ) -> tuple[list, Path | None]:
         if tasks is None:
             from branchgym.envs.swebench.generated import build_generated_tasks
 
@@ -264,6 +297,8 @@ class SWEBenchEnv(SnapshottableEnv[str, str]):
                 loaded = [t for t in loaded if t.instance_id in set(ids)]
             if not loaded:
                 raise DataError("no tasks given (the list is empty after instance_ids)")
+        if repos_dir is None and images:
+            return loaded, None
         if repos_dir is None:
             raise DataError(
                 "tasks from a file need repos_dir: a folder with a local clone of each "
@@ -300,6 +335,9 @@ class SWEBenchEnv(SnapshottableEnv[str, str]):
         self._close_sandbox()
         self.task = task
         self.sandbox = self.backend.create(task, self._checkout(task))
+        # What the submission is diffed against: the task's base commit, or the HEAD of
+        # SWE-bench's image (base commit + the image's setup commit).
+        self._base_ref = getattr(self.sandbox, "base_ref", None) or task.base_commit
         self.shell = _ShellState(WORKDIR, self._base_env())
         self.step_index = 0
         self.done = False
@@ -308,11 +346,21 @@ class SWEBenchEnv(SnapshottableEnv[str, str]):
         self.last_info = self._info(exit_code=0)
         return self.last_obs, dict(self.last_info)
 
-    def _checkout(self, task: SWEBenchTask) -> Path:
+    def _checkout(self, task: SWEBenchTask) -> Path | None:
+        needs = getattr(self.backend, "needs_checkout", None)
+        if needs is not None and not needs(task):
+            return None  # its image holds the repository
+        if self.repos_dir is None:
+            raise DataError(
+                f"{task.instance_id} needs a local clone (no SWE-bench image of it is on the "
+                "Docker daemon): pass repos_dir, a folder with a clone of each repository "
+                "(named owner__name), or load its image (docs/swebench.md, Docker)."
+            )
         return ensure_checkout(task, self.repos_dir)
 
     def _base_env(self) -> dict[str, str]:
-        return dict(self.backend.default_env())
+        own = getattr(self.sandbox, "default_env", None)  # a SWE-bench image's environment
+        return dict(own() if own is not None else self.backend.default_env())
 
     def _intro(self, task: SWEBenchTask) -> str:
         return (
@@ -453,10 +501,14 @@ class SWEBenchEnv(SnapshottableEnv[str, str]):
 
     # ------------------------------------------------------------------ grading
     def patch(self) -> str:
-        """The diff of the working tree against the base commit (what ``submit`` grades)."""
+        """The diff of the working tree against the base commit (what ``submit`` grades).
+
+        In SWE-bench's images the base is the image's HEAD at reset: the base commit plus
+        the image's own setup commit, which is no part of the agent's change.
+        """
         if self.sandbox is None or self.task is None:
             raise ResetNeededError("call env.reset() first")
-        return working_tree_patch(self.sandbox, self.task.base_commit)
+        return working_tree_patch(self.sandbox, self._base_ref)
 
     def grade(self, patch: str | None = None) -> GradeReport:
         """Grade ``patch`` (default: the working tree) in a fresh sandbox; no state changes."""
@@ -472,7 +524,8 @@ class SWEBenchEnv(SnapshottableEnv[str, str]):
             )
         checkout = self._checkout(self.task)
         # Grading starts from the pristine checkout: refuse it if anything changed it.
-        verify_checkout(checkout)
+        if checkout is not None:
+            verify_checkout(checkout)
         fresh = self.backend.create(self.task, checkout)
         try:
             return grade(fresh, self.task, patch, timeout=self.grade_timeout)
@@ -515,6 +568,7 @@ class SWEBenchEnv(SnapshottableEnv[str, str]):
             obs=self.last_obs,
             info=dict(self.last_info),
             rng=self._rng_state(),
+            base_ref=self._base_ref,
         )
         snap = self._new_snapshot(
             saved,
@@ -541,6 +595,7 @@ class SWEBenchEnv(SnapshottableEnv[str, str]):
             self._close_sandbox()
             self.sandbox = self.backend.from_snapshot(saved.sandbox)
         self.task = self._by_id[saved.task_id]
+        self._base_ref = saved.base_ref or self.task.base_commit
         self.shell = _ShellState(saved.cwd, dict(saved.env))
         self.step_index = saved.step
         self.done = saved.done

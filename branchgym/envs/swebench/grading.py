@@ -278,6 +278,11 @@ test_directives.__test__ = False  # type: ignore[attr-defined]  # not a pytest t
 def working_tree_patch(sandbox: Sandbox, base_commit: str, *, timeout: float = 120.0) -> str:
     """The diff from ``base_commit`` to the sandbox's working tree, untracked files included.
 
+    ``base_commit`` is the commit the episode started from: the task's base commit, or in
+    SWE-bench's images the image's ``HEAD`` at reset (``DockerSandbox.base_ref``: the base
+    commit plus the image's setup commit, which must stay out of the submission: it is
+    already in the image the patch is graded in).
+
     Like SWE-agent's submission (``git add -A; git diff --cached``), ignored files are
     left out. It uses a temporary index and object directory, so the repository's own
     index and object store are not touched: grading mid-episode changes no state.

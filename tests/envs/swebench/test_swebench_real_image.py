@@ -1,0 +1,162 @@
+"""SWE-bench's own images as the docker backend's primary path, end to end.
+
+The image is built offline from tests/envs/swebench/data/images/ in the harness's layout
+(the repository at /testbed at the base commit plus the setup commit "SWE-bench", an
+/opt/miniconda3/bin/activate with a `testbed` environment) and named as the swebench
+package names published images (``swebench/sweb.eval.x86_64.<id, __ as _1776_>:latest``).
+It is kept between runs and rebuilt only when its inputs change.
+"""
+
+import dataclasses
+import shutil
+import tempfile
+from pathlib import Path
+
+import gymnasium as gym
+import pytest
+
+from branchgym.digest import stable_hash
+from branchgym.envs.swebench.grading import working_tree_patch
+from branchgym.envs.swebench.sandbox import tree_digest
+from branchgym.error import DataError, SandboxUnavailableError
+
+DATA = Path(__file__).parent / "data" / "images"
+ENV_ID = "branchgym/SWEBench-v0"
+#: Another id than the generated task's, so the other Docker tests never find this image.
+FIXTURE_ID = "swebench-fixture__lrucache-1"
+
+
+def test_image_names_are_the_packages():
+    pytest.importorskip("swebench")
+    from swebench.task.checks import expected_image
+
+    from branchgym.envs.swebench.docker_backend import swebench_image_names
+    from branchgym.envs.swebench.generated import generated_tasks
+
+    task = dataclasses.replace(generated_tasks()[0], instance_id="django__django-11099")
+    names = swebench_image_names(task)
+    assert names == [
+        "swebench/sweb.eval.x86_64.django_1776_django-11099:latest",
+        "sweb.eval.x86_64.django__django-11099:latest",
+    ]
+    assert names[0] == expected_image("django__django-11099")
+    row = dataclasses.replace(task, extra={"image": "mirror.local/sweb.eval.x86_64.x:v1"})
+    assert swebench_image_names(row)[0] == "mirror.local/sweb.eval.x86_64.x:v1"
+    assert swebench_image_names(task, namespace="mine")[0].startswith("mine/sweb.eval.")
+
+
+def build_fixture_image(client, task, checkout: Path) -> str:
+    """Build (or find, unchanged) the SWE-bench-layout image of ``task``; returns its name."""
+    from swebench.image_builder.image_spec import ImageSpec
+
+    from branchgym.envs.swebench.docker_backend import BASE_IMAGE, SWEBENCH_NAMESPACE
+
+    dockerfile = (DATA / "Dockerfile").read_text()
+    name = ImageSpec(task.instance_id, dockerfile, namespace=SWEBENCH_NAMESPACE).name
+    files = {p.name: p.read_bytes() for p in sorted(DATA.iterdir())}
+    base = client.images.get(BASE_IMAGE).id
+    key = stable_hash("fixture-image", files, base, task.base_commit, tree_digest(checkout))
+    try:
+        if client.images.get(name).labels.get("branchgym.fixture") == key:
+            return name
+    except Exception:  # docker.errors.ImageNotFound
+        pass
+    with tempfile.TemporaryDirectory() as ctx:
+        for fname, data in files.items():
+            Path(ctx, fname).write_bytes(data)
+        shutil.copytree(checkout, Path(ctx, "testbed"), symlinks=True)
+        client.images.build(
+            path=ctx,
+            tag=name,
+            buildargs={"BASE": BASE_IMAGE},
+            labels={"branchgym.fixture": key},
+            network_mode="none",  # offline: everything comes from the context
+            rm=True,
+            forcerm=True,
+        )
+    return name
+
+
+@pytest.fixture(scope="module")
+def fixture_task(docker_available, task_by_name, checkout):
+    from branchgym.envs.swebench.docker_backend import docker_client
+
+    task = task_by_name["lrucache"]
+    fixture = dataclasses.replace(task, instance_id=FIXTURE_ID)
+    build_fixture_image(docker_client(), fixture, checkout(task))
+    return fixture
+
+
+def owned():
+    import os
+
+    from branchgym.envs.swebench import docker_backend as db
+
+    db.wait_idle()
+    return db.owned_resources(pid=os.getpid())
+
+
+@pytest.mark.docker
+def test_real_image_gold_resolves_wrong_does_not(fixture_task):
+    task = fixture_task
+    # No repos_dir: the image holds the repository.
+    env = gym.make(ENV_ID, tasks=[task], backend="docker")
+    try:
+        env.reset(options={"instance_id": task.instance_id})
+        # The image's environment: `testbed` activated, the image's ENV kept, its user.
+        out = env.step(
+            "echo $CONDA_DEFAULT_ENV; command -v python; "
+            "python -c 'import sys; print(sys.prefix)'; echo $SWEBENCH_FIXTURE_IMAGE; "
+            "id -u; git log -1 --format=%s; sleep 300 &"
+        )[0]
+        assert out.split("\n")[:6] == [
+            "testbed",
+            "/opt/miniconda3/envs/testbed/bin/python",
+            "/opt/miniconda3/envs/testbed",
+            "1",
+            "0",
+            "SWE-bench",
+        ], out
+        # The background sleep died with its command, and the container did not.
+        assert env.step("cat /proc/[0-9]*/comm | grep -c '^sleep$'")[0].strip() == "1"
+
+        sandbox = env.unwrapped.sandbox
+        assert sandbox.base_ref != task.base_commit  # HEAD is the image's setup commit
+        assert env.unwrapped.grade(task.extra["branchgym_wrong_patch"]).resolved is False
+
+        with env.unwrapped.snapshot() as snap:
+            env.step("echo junk >> lrucache/core.py; export MODE=x")
+            env.unwrapped.restore(snap)
+        assert env.step("git status --short; echo ${MODE:-unset}")[0] == "unset\n"
+
+        env.step(task.extra["branchgym_fix_command"])
+        # Against base_commit the diff drags the setup commit in: `git apply` fails and
+        # `patch --batch` takes it for reversed and undoes the fix.
+        dragged = working_tree_patch(sandbox, task.base_commit)
+        assert "README.md" in dragged
+        assert env.unwrapped.grade(dragged).resolved is False
+
+        obs, reward, terminated, _, info = env.step("submit")
+        assert reward == 1.0 and terminated, obs
+        assert info["patch"] == task.patch
+    finally:
+        env.close()
+    assert owned() == {"containers": [], "images": []}
+
+
+@pytest.mark.docker
+def test_missing_image_says_how_to_load_it(docker_available, task_by_name):
+    task = dataclasses.replace(task_by_name["lrucache"], instance_id="nowhere__repo-1")
+    env = gym.make(ENV_ID, tasks=[task], backend="docker", docker_image="swebench")
+    try:
+        with pytest.raises(SandboxUnavailableError, match="docker load"):
+            env.reset(options={"instance_id": task.instance_id})
+    finally:
+        env.close()
+    # auto: no image and no clone either.
+    env = gym.make(ENV_ID, tasks=[task], backend="docker")
+    try:
+        with pytest.raises(DataError, match="repos_dir"):
+            env.reset(options={"instance_id": task.instance_id})
+    finally:
+        env.close()
