@@ -60,6 +60,7 @@ import weakref
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
+from branchgym.envs.swebench.gitsnap import gitsnap
 from branchgym.envs.swebench.limits import Limits, cgroups, pid_alive
 from branchgym.envs.swebench.sandbox import (
     WORKDIR,
@@ -81,6 +82,7 @@ __all__ = [
     "OverlaySandbox",
     "GitSandbox",
     "overlay_support",
+    "redirect_dir_support",
     "bwrap_support",
     "work_root",
     "list_local_mounts",
@@ -95,11 +97,17 @@ _libc.umount2.argtypes = (ctypes.c_char_p, ctypes.c_int)
 # ---------------------------------------------------------------------- mounting
 
 
-def _mount_overlay(target: Path, lowers: tuple[str, ...], upper: Path, work: Path) -> None:
-    # redirect_dir and metacopy off: every upper layer is then a self-contained diff
-    # (full copy-ups, plain whiteouts) that stays valid when frozen as a lower layer.
+def _mount_overlay(
+    target: Path, lowers: tuple[str, ...], upper: Path, work: Path, redirect_dir: bool = False
+) -> None:
+    # metacopy off: full copy-ups, so a frozen upper layer holds every file it changed.
+    # redirect_dir=on lets rename(2) move a folder of a lower layer (else EXDEV): the
+    # upper layer records where it came from (an xattr the kernel follows when the layer
+    # is frozen below another; _squash_into resolves it).
+    redirect = "on" if redirect_dir else "off"
     data = (
-        f"lowerdir={':'.join(lowers)},upperdir={upper},workdir={work},redirect_dir=off,metacopy=off"
+        f"lowerdir={':'.join(lowers)},upperdir={upper},workdir={work},"
+        f"redirect_dir={redirect},metacopy=off"
     ).encode()
     if _libc.mount(b"overlay", os.fsencode(target), b"overlay", 0, data) != 0:
         err = ctypes.get_errno()
@@ -197,6 +205,32 @@ def overlay_support(root: Path | None = None) -> tuple[bool, str]:
         shutil.rmtree(probe, ignore_errors=True)
     _SUPPORT[key] = result
     return result
+
+
+def redirect_dir_support(root: Path | None = None) -> bool:
+    """Can overlayfs here rename folders of lower layers (``redirect_dir=on``); cached."""
+    root = Path(root or work_root())
+    key = f"redirect:{root}"
+    if key not in _SUPPORT:
+        probe = root / f"probe-{os.getpid()}-{uuid.uuid4().hex[:6]}"
+        ok = False
+        try:
+            for d in ("l/d", "u", "w", "m"):
+                (probe / d).mkdir(parents=True)
+            _mount_overlay(probe / "m", (str(probe / "l"),), probe / "u", probe / "w", True)
+            try:
+                os.rename(probe / "m" / "d", probe / "m" / "e")  # EXDEV without redirects
+                ok = True
+            except OSError:
+                pass
+            finally:
+                _umount(probe / "m")
+        except OSError:
+            pass
+        finally:
+            shutil.rmtree(probe, ignore_errors=True)
+        _SUPPORT[key] = (ok, "")
+    return _SUPPORT[key][0]
 
 
 def bwrap_support() -> tuple[bool, str]:
@@ -742,41 +776,199 @@ def _remove(path: str) -> None:
         os.unlink(path)
 
 
-def _squash_into(target: str, layers_oldest_first: list[str]) -> None:
-    """Merge frozen overlay layers into ``target``, keeping whiteouts and opaque dirs.
+_OPAQUE, _REDIRECT = "trusted.overlay.opaque", "trusted.overlay.redirect"
 
-    Files are copied (layers live on tmpfs mounts of their own, so hard links cannot
-    cross them); symlinks and whiteouts are recreated.
+
+def _xattr(path: str, name: str) -> bytes | None:
+    try:
+        return os.getxattr(path, name, follow_symlinks=False)
+    except OSError:
+        return None
+
+
+def _copy_entry(src: str, st: os.stat_result, dst: str, links: dict) -> None:
+    """Copy one non-folder (file, symlink, FIFO, socket, whiteout) with its mode and times.
+
+    Names of one inode (hard links) stay one inode: ``links`` maps source inodes to
+    their first copy. Overlay's own xattrs (origin, ...) are not copied: they name
+    inodes of the layer being squashed away.
     """
+    key = (st.st_dev, st.st_ino)
+    if st.st_nlink > 1 and key in links and os.path.lexists(links[key]):
+        os.link(links[key], dst, follow_symlinks=False)
+        return
+    if stat.S_ISLNK(st.st_mode):
+        os.symlink(os.readlink(src), dst)
+    elif stat.S_ISREG(st.st_mode):
+        shutil.copyfile(src, dst, follow_symlinks=False)
+        os.chmod(dst, stat.S_IMODE(st.st_mode))
+        for name in os.listxattr(src, follow_symlinks=False):
+            if not name.startswith("trusted.overlay."):
+                os.setxattr(dst, name, os.getxattr(src, name, follow_symlinks=False))
+    else:  # FIFO, socket, whiteout (a 0/0 character device)
+        os.mknod(dst, stat.S_IFMT(st.st_mode) | stat.S_IMODE(st.st_mode), st.st_rdev)
+        os.chmod(dst, stat.S_IMODE(st.st_mode))
+    if st.st_nlink > 1:
+        links[key] = dst
+    os.utime(dst, ns=(st.st_atime_ns, st.st_mtime_ns), follow_symlinks=False)
 
-    def merge_dir(src: str, dst: str) -> None:
+
+def _squash_into(target: str, layers_oldest_first: list[str], bottom: str) -> None:
+    """Merge frozen overlay layers into ``target`` (a layer just above ``bottom``).
+
+    Whiteouts, opaque folders, FIFOs, hard links, modes and times are kept. Files are
+    copied (layers live on tmpfs mounts of their own, so hard links cannot cross them).
+    A folder a layer renamed (``redirect_dir``: an xattr naming where its lower content
+    lives) keeps pointing into ``bottom`` when nothing above ``bottom`` changed that
+    content; otherwise the folder as the layers below saw it is copied in, opaque.
+    """
+    links: dict = {}
+
+    def lower_of(s_dir: str, c_default: str | None) -> str | None:
+        """Where the bottom layer's part of ``target``'s folder ``s_dir`` lives."""
+        if _is_opaque(s_dir):
+            return None
+        r = _xattr(s_dir, _REDIRECT)
+        if r is not None:
+            return os.path.join(bottom, os.fsdecode(r).lstrip("/"))
+        return c_default
+
+    def resolve(rel: str) -> tuple[str | None, str | None]:
+        """(target path, bottom path) of folder ``rel`` as the layers merged so far show it."""
+        s: str | None = target
+        c: str | None = bottom
+        for part in [p for p in rel.split("/") if p]:
+            s_next = os.path.join(s, part) if s is not None else None
+            c_next = os.path.join(c, part) if c is not None else None
+            if s_next is not None and os.path.lexists(s_next):
+                st = os.lstat(s_next)
+                if not stat.S_ISDIR(st.st_mode):
+                    return None, None  # a whiteout or a file: no folder there
+                c_next = lower_of(s_next, c_next)
+            else:
+                s_next = None
+            if c_next is not None and not (os.path.isdir(c_next) and not os.path.islink(c_next)):
+                c_next = None
+            s, c = s_next, c_next
+        return s, c
+
+    def copy_merged(s: str | None, c: str | None, dst: str) -> None:
+        """A full copy of the folder the layers merged so far show at (s over c)."""
+        top = s if s is not None else c
+        assert top is not None
+        os.mkdir(dst)
+        names: dict[str, tuple[str, os.stat_result]] = {}
+        if s is not None:
+            for e in os.scandir(s):
+                names[e.name] = (e.path, e.stat(follow_symlinks=False))
+        if c is not None:
+            for e in os.scandir(c):
+                names.setdefault(e.name, (e.path, e.stat(follow_symlinks=False)))
+        for name, (src, st) in names.items():
+            d = os.path.join(dst, name)
+            if _is_whiteout(st):
+                continue
+            if stat.S_ISDIR(st.st_mode):
+                if s is not None and src == os.path.join(s, name):
+                    child_s: str | None = src
+                    child_c = lower_of(src, os.path.join(c, name) if c is not None else None)
+                    if child_c is not None and not (
+                        os.path.isdir(child_c) and not os.path.islink(child_c)
+                    ):
+                        child_c = None
+                else:
+                    child_s, child_c = None, src
+                copy_merged(child_s, child_c, d)
+            else:
+                _copy_entry(src, st, d, links)
+        st = os.lstat(top)
+        os.chmod(dst, stat.S_IMODE(st.st_mode))
+        os.utime(dst, ns=(st.st_atime_ns, st.st_mtime_ns))
+
+    def redirects(src: str, rel: str, lower: str, out: list) -> None:
+        """Folders of layer ``src`` that a rename moved: (rel, absolute lower path)."""
+        for entry in os.scandir(src):
+            if not entry.is_dir(follow_symlinks=False):
+                continue
+            r = f"{rel}/{entry.name}" if rel else entry.name
+            low = f"{lower}/{entry.name}" if lower else entry.name
+            red = _xattr(entry.path, _REDIRECT)
+            if red is not None:
+                red_s = os.fsdecode(red)
+                low = red_s.lstrip("/") if red_s.startswith("/") else (
+                    f"{lower}/{red_s}" if lower else red_s
+                )  # fmt: skip
+                out.append((r, low))
+            if not _is_opaque(entry.path):
+                redirects(entry.path, r, low, out)
+
+    def merge_dir(src: str, dst: str, rel: str, staged: dict, c_dir: str | None) -> None:
+        # c_dir: the bottom layer's folder under dst (None: nothing below it). Whiteouts
+        # are kept only where they hide something of the bottom layer: the kernel lists
+        # a folder with nothing below it as it is, whiteouts included.
         for entry in os.scandir(src):
             s, d = entry.path, os.path.join(dst, entry.name)
+            r = f"{rel}/{entry.name}" if rel else entry.name
             st = entry.stat(follow_symlinks=False)
             if stat.S_ISDIR(st.st_mode):
                 opaque = _is_opaque(s)
-                if opaque or (
-                    os.path.lexists(d) and not (os.path.isdir(d) and not os.path.islink(d))
+                moved = r in staged
+                if (
+                    opaque
+                    or moved
+                    or (os.path.lexists(d) and not (os.path.isdir(d) and not os.path.islink(d)))
                 ):
                     _remove(d)
-                if not os.path.lexists(d):
+                if moved:
+                    how, where = staged[r]
+                    if how == "copy":
+                        os.rename(where, d)
+                        os.setxattr(d, _OPAQUE, b"y", follow_symlinks=False)
+                    else:
+                        os.mkdir(d)
+                        os.setxattr(d, _REDIRECT, os.fsencode(where), follow_symlinks=False)
+                elif not os.path.lexists(d):
                     os.mkdir(d)
                 if opaque:
-                    os.setxattr(d, "trusted.overlay.opaque", b"y", follow_symlinks=False)
+                    os.setxattr(d, _OPAQUE, b"y", follow_symlinks=False)
                 os.chmod(d, stat.S_IMODE(st.st_mode))
-                merge_dir(s, d)
+                below = lower_of(d, os.path.join(c_dir, entry.name) if c_dir else None)
+                if below is not None and not (os.path.isdir(below) and not os.path.islink(below)):
+                    below = None
+                merge_dir(s, d, r, staged, below)
+                os.utime(d, ns=(st.st_atime_ns, st.st_mtime_ns))
             else:
                 _remove(d)
-                if _is_whiteout(st):
-                    os.mknod(d, stat.S_IFCHR | 0o000, 0)
-                elif stat.S_ISLNK(st.st_mode):
-                    os.symlink(os.readlink(s), d)
-                else:
-                    shutil.copy2(s, d, follow_symlinks=False)
+                if _is_whiteout(st) and not (
+                    c_dir is not None and os.path.lexists(os.path.join(c_dir, entry.name))
+                ):
+                    continue
+                _copy_entry(s, st, d, links)
 
     os.mkdir(target)
+    stage = target + ".stage"
     for layer in layers_oldest_first:
-        merge_dir(layer, target)
+        moved: list[tuple[str, str]] = []
+        redirects(layer, "", "", moved)
+        staged: dict[str, tuple[str, str]] = {}
+        for i, (r, low) in enumerate(moved):
+            s, c = resolve(low)
+            # Inside a copied (opaque) folder the kernel follows no redirect: copy too.
+            copied_above = any(
+                r.startswith(q + "/") and how == "copy" for q, (how, _) in staged.items()
+            )
+            if s is None and c is not None and not copied_above:
+                staged[r] = ("redirect", "/" + os.path.relpath(c, bottom))
+                continue
+            os.makedirs(stage, exist_ok=True)
+            where = os.path.join(stage, str(i))
+            if s is None and c is None:  # the lower folder is gone: the layer's own entries
+                os.mkdir(where)
+            else:
+                copy_merged(s, c, where)
+            staged[r] = ("copy", where)
+        merge_dir(layer, target, "", staged, bottom)
+        shutil.rmtree(stage, ignore_errors=True)
 
 
 class OverlaySandbox(_LocalSandbox):
@@ -798,9 +990,15 @@ class OverlaySandbox(_LocalSandbox):
         stack: tuple[str, ...],
         *,
         max_layers: int = 32,
+        redirect_dir: bool = False,
     ) -> None:
-        """Mount a fresh upper layer over ``stack`` (topmost first, checkout last)."""
+        """Mount a fresh upper layer over ``stack`` (topmost first, checkout last).
+
+        ``redirect_dir``: mount with ``redirect_dir=on`` (rename(2) of folders from
+        lower layers works; without it, EXDEV, as in Docker's overlay2).
+        """
         super().__init__(store, runner)
+        self.redirect_dir = redirect_dir
         for layer in stack:
             if "," in layer or ":" in layer:
                 raise SandboxError(f"overlay layer paths cannot contain ',' or ':': {layer}")
@@ -838,7 +1036,7 @@ class OverlaySandbox(_LocalSandbox):
     def _mount(self, stack: tuple[str, ...]) -> None:
         self.store.acquire(stack)
         try:
-            _mount_overlay(self.merged, stack, self.upper, self.work)
+            _mount_overlay(self.merged, stack, self.upper, self.work, self.redirect_dir)
         except OSError:
             self.store.release(stack)
             raise
@@ -888,7 +1086,7 @@ class OverlaySandbox(_LocalSandbox):
         """Merge every frozen layer above the checkout into one (keeps the kernel happy)."""
         frozen = [s for s in stack[:-1]]
         target = str(self.store.new_layer())
-        _squash_into(target, list(reversed(frozen)))
+        _squash_into(target, list(reversed(frozen)), stack[-1])
         # The new stack holds its own references; layers only the old stack held go away
         # once nothing else (another snapshot, another sandbox) holds them.
         return (target, stack[-1])
@@ -917,11 +1115,13 @@ class OverlaySandbox(_LocalSandbox):
         if snap is None:
             with self.snapshot() as now:
                 return OverlaySandbox(
-                    self.store, self.runner, now.stack, max_layers=self.max_layers
-                )
+                    self.store, self.runner, now.stack, max_layers=self.max_layers,
+                    redirect_dir=self.redirect_dir,
+                )  # fmt: skip
         return OverlaySandbox(
-            self.store, self.runner, self._stack_of(snap), max_layers=self.max_layers
-        )
+            self.store, self.runner, self._stack_of(snap), max_layers=self.max_layers,
+            redirect_dir=self.redirect_dir,
+        )  # fmt: skip
 
     def close(self) -> None:
         """Unmount and delete the upper layer; release the stack."""
@@ -959,9 +1159,15 @@ class _GitStore:
         self.reaper = reaper
         self.users = 0
         self.lock = threading.Lock()
-        self.base_trees: dict[str, tuple[str, str | None, dict, Path]] = {}
+        self.base_trees: dict[str, tuple[dict[str, str], str]] = {}
 
-    def git(self, *args: str, work: Path | None = None, index: Path | None = None) -> str:
+    def git(
+        self,
+        *args: str,
+        work: str | Path | None = None,
+        index: str | Path | None = None,
+        stdin: str | None = None,
+    ) -> str:
         env = {k: v for k, v in os.environ.items() if not k.startswith("GIT_")}
         env.update(GIT_DIR=str(self.path), GIT_CONFIG_NOSYSTEM="1", LC_ALL="C")
         env["GIT_CONFIG_GLOBAL"] = "/dev/null"
@@ -970,13 +1176,18 @@ class _GitStore:
         if index is not None:
             env["GIT_INDEX_FILE"] = str(index)
         out = subprocess.run(
-            ["git", *args], cwd=work or self.path, env=env, capture_output=True, check=False
+            ["git", *args],
+            cwd=work or self.path,
+            env=env,
+            capture_output=True,
+            check=False,
+            input=stdin.encode() if stdin is not None else None,
         )
         if out.returncode != 0:
             raise SandboxError(
                 f"git {' '.join(args)} failed: {out.stderr.decode(errors='replace').strip()}"
             )
-        return out.stdout.decode()
+        return out.stdout.decode(errors="surrogateescape")
 
     def hold(self) -> None:
         with self.lock:
@@ -995,48 +1206,13 @@ class _GitStore:
                 self.base_trees.clear()
 
 
-def _scan(root: Path) -> tuple[dict[str, int], dict[str, int]]:
-    """(every directory -> mode, files/links whose mode git cannot restore -> mode)."""
-    dirs: dict[str, int] = {}
-    special: dict[str, int] = {}
-    stack = [""]
-    while stack:
-        rel = stack.pop()
-        with os.scandir(root / rel if rel else root) as it:
-            for e in it:
-                r = f"{rel}/{e.name}" if rel else e.name
-                st = e.stat(follow_symlinks=False)
-                mode = stat.S_IMODE(st.st_mode)
-                if stat.S_ISDIR(st.st_mode):
-                    dirs[r] = mode
-                    stack.append(r)
-                elif stat.S_ISREG(st.st_mode) and mode not in (0o644, 0o755):
-                    special[r] = mode
-    return dirs, special
-
-
-def _apply_manifest(root: Path, dirs: dict[str, int], special: dict[str, int]) -> None:
-    """Make directories and permission bits match a snapshot after ``read-tree``."""
-    now_dirs, now_special = _scan(root)
-    for rel in sorted(set(now_dirs) - set(dirs), key=len, reverse=True):
-        shutil.rmtree(root / rel, ignore_errors=True)  # created after the snapshot
-    for rel in sorted(dirs, key=len):
-        p = root / rel
-        if rel not in now_dirs:
-            p.mkdir(exist_ok=True)
-        if now_dirs.get(rel) != dirs[rel]:
-            os.chmod(p, dirs[rel])
-    for rel, mode in special.items():
-        if now_special.get(rel) != mode:
-            os.chmod(root / rel, mode)
-    for rel, mode in now_special.items():
-        if rel not in special and (root / rel).exists():
-            # git's two modes: owner-executable or not.
-            os.chmod(root / rel, 0o755 if mode & 0o100 else 0o644)
-
-
 class GitSnapshot(SandboxSnapshot):
-    """Trees of the working directory and of ``.git`` in the private store, plus modes."""
+    """Trees of the folder's units in the private store, plus a manifest blob.
+
+    A unit is the folder itself, each nested repository's folder and each ``.git``
+    folder (:mod:`~branchgym.envs.swebench.gitsnap`); the manifest holds what git trees
+    do not (folders, modes, times, FIFOs, ``.git`` files, hard links).
+    """
 
     kind = "git"
     backend = "git"
@@ -1044,22 +1220,19 @@ class GitSnapshot(SandboxSnapshot):
     def __init__(
         self,
         store: _GitStore,
-        tree: str,
-        git_tree: str | None,
-        dirs: dict[str, int],
-        special: dict[str, int],
-        base: tuple[str, str | None],
+        trees: dict[str, str],
+        manifest: str,
+        base: tuple[str, ...],
     ) -> None:
         """Hold the store (the trees live in it) until released."""
         store.hold()
-        self.store, self.tree, self.git_tree = store, tree, git_tree
-        self.dirs, self.special = dirs, special
-        super().__init__(store.drop, lambda: _git_cost(store, (tree, git_tree), base))
+        self.store, self.trees, self.manifest = store, trees, manifest
+        super().__init__(store.drop, lambda: _git_cost(store, (*trees.values(), manifest), base))
 
 
-def _git_cost(store: _GitStore, trees: tuple[str, str | None], base: tuple[str, str | None]):
+def _git_cost(store: _GitStore, objs: tuple[str, ...], base: tuple[str, ...]):
     """Disk bytes of the objects these trees add to the checkout's."""
-    want = [t for t in trees if t]
+    want = [t for t in objs if t]
     have = [f"^{t}" for t in base if t]
     objs = store.git("rev-list", "--objects", *want, *have)
     names = "\n".join(line.split()[0] for line in objs.splitlines() if line.strip())
@@ -1100,9 +1273,9 @@ class GitSandbox(_LocalSandbox):
         self.git.hold()
         self.dir = store.boxes / store.new_id()
         self.tree = self.dir / "t"
-        self.index = self.dir / "index"
-        self.gindex = self.dir / "gindex"
+        self.index_dir = self.dir / "idx"
         self.tree.mkdir(parents=True)
+        self.index_dir.mkdir()
         self._finalizer = weakref.finalize(self, _git_cleanup, store, self.git, self.dir)
         if snap is None:
             if base is None:
@@ -1114,7 +1287,7 @@ class GitSandbox(_LocalSandbox):
                 snap.release()
         else:
             self._checkout(snap)
-        self.base_trees = getattr(self, "base_trees", (snap.tree, snap.git_tree))
+        self.base_trees = getattr(self, "base_trees", (*snap.trees.values(), snap.manifest))
 
     @property
     def host_dir(self) -> Path:
@@ -1126,68 +1299,34 @@ class GitSandbox(_LocalSandbox):
         key = str(base)
         cached = self.git.base_trees.get(key)
         if cached is None:
-            idx = self.dir / "base-index"
-            gidx = self.dir / "base-gindex"
-            self.git.git("add", "-A", "-f", "--", ".", work=base, index=idx)
-            tree = self.git.git("write-tree", work=base, index=idx).strip()
-            git_tree = None
-            if (base / ".git").is_dir():
-                self.git.git("add", "-A", "-f", "--", ".", work=base / ".git", index=gidx)
-                git_tree = self.git.git("write-tree", work=base / ".git", index=gidx).strip()
-            dirs, special = _scan(base)
-            cached = (tree, git_tree, dirs, special)
-            self.git.base_trees[key] = cached  # type: ignore[assignment]
-            idx.unlink(missing_ok=True)
-            gidx.unlink(missing_ok=True)
-        tree, git_tree, dirs, special = cached[:4]
-        self.base_trees = (tree, git_tree)
-        return GitSnapshot(self.git, tree, git_tree, dict(dirs), dict(special), (tree, git_tree))
+            idx = self.dir / "base-idx"
+            idx.mkdir()
+            cached = gitsnap.snapshot(str(base), self.git.git, str(idx))
+            self.git.base_trees[key] = cached
+            shutil.rmtree(idx, ignore_errors=True)
+        trees, manifest = cached
+        self.base_trees = (*trees.values(), manifest)
+        return GitSnapshot(self.git, dict(trees), manifest, self.base_trees)
 
     def _checkout(self, snap: GitSnapshot) -> None:
         """Write ``snap`` into the (empty) tree with fresh private indexes."""
-        self.git.git("read-tree", "--reset", "-u", snap.tree, work=self.tree, index=self.index)
-        if snap.git_tree:
-            (self.tree / ".git").mkdir(exist_ok=True)
-            self.git.git(
-                "read-tree", "--reset", "-u", snap.git_tree, work=self.tree / ".git",
-                index=self.gindex,
-            )  # fmt: skip
-        _apply_manifest(self.tree, snap.dirs, snap.special)
-
-    def _add(self) -> None:
-        """Bring the private indexes up to date with the folder (incremental)."""
-        self.git.git("add", "-A", "-f", "--", ".", work=self.tree, index=self.index)
-        if (self.tree / ".git").is_dir():
-            self.git.git("add", "-A", "-f", "--", ".", work=self.tree / ".git", index=self.gindex)
+        gitsnap.restore(
+            str(self.tree), snap.trees, snap.manifest, self.git.git, str(self.index_dir)
+        )
 
     def snapshot(self) -> GitSnapshot:
-        """Record the trees of the folder and of .git, and the modes git does not keep."""
+        """Record the trees of every unit and the manifest of what git does not keep."""
         self._check_open()
-        self._add()
-        tree = self.git.git("write-tree", work=self.tree, index=self.index).strip()
-        git_tree = None
-        if (self.tree / ".git").is_dir():
-            git_tree = self.git.git("write-tree", work=self.tree / ".git", index=self.gindex)
-            git_tree = git_tree.strip()
-        dirs, special = _scan(self.tree)
-        return GitSnapshot(self.git, tree, git_tree, dirs, special, self.base_trees)
+        trees, manifest = gitsnap.snapshot(str(self.tree), self.git.git, str(self.index_dir))
+        return GitSnapshot(self.git, trees, manifest, self.base_trees)
 
     def restore(self, snap: SandboxSnapshot) -> None:
-        """``read-tree --reset -u`` both trees, then fix directories and modes."""
+        """``read-tree --reset -u`` each unit's tree, then apply the manifest."""
         self._check_open()
         snap = self._check_snap(snap)
-        self._add()  # files created since the snapshot must be in the index to be removed
-        self.git.git("read-tree", "--reset", "-u", snap.tree, work=self.tree, index=self.index)
-        gdir = self.tree / ".git"
-        if snap.git_tree:
-            if not gdir.is_dir():
-                _remove(str(gdir))
-                gdir.mkdir()
-                self.gindex.unlink(missing_ok=True)
-            self.git.git("read-tree", "--reset", "-u", snap.git_tree, work=gdir, index=self.gindex)
-        elif os.path.lexists(gdir):
-            _remove(str(gdir))
-        _apply_manifest(self.tree, snap.dirs, snap.special)
+        gitsnap.restore(
+            str(self.tree), snap.trees, snap.manifest, self.git.git, str(self.index_dir)
+        )
 
     def _check_snap(self, snap: SandboxSnapshot) -> GitSnapshot:
         if not isinstance(snap, GitSnapshot):
@@ -1238,6 +1377,10 @@ class LocalBackend:
             subprocesses in the repository folder: network allowed, no read-only system).
         root: Work folder (default ``$BRANCHGYM_SANDBOX_DIR`` or /tmp/branchgym-sandboxes).
         max_layers: Overlay stacks deeper than this are squashed at snapshot time.
+        overlay_redirect_dir: Mount overlays with ``redirect_dir=on`` so rename(2) of a
+            folder that existed at the last snapshot works as without snapshots. None
+            (default): where the kernel allows it; False: never (such renames get
+            EXDEV; ``mv`` copies instead, ``git mv`` and ``os.rename`` fail).
     """
 
     def __init__(
@@ -1249,6 +1392,7 @@ class LocalBackend:
         max_layers: int = 32,
         limits: Limits | Mapping[str, object] | None = None,
         toolchain: Sequence[str | os.PathLike[str]] = (),
+        overlay_redirect_dir: bool | None = None,
     ) -> None:
         """Pick the mode (probing overlayfs once) and check isolation is possible."""
         if mode not in ("auto", "overlay", "git"):
@@ -1265,6 +1409,11 @@ class LocalBackend:
         self.limits = Limits.of(limits)  # type: ignore[arg-type]
         self.runner = _Runner(isolation, self.limits, toolchain, etc_dir=self.store.root / "etc")
         self.max_layers = max_layers
+        self.redirect_dir = self.mode == "overlay" and (
+            redirect_dir_support(self.store.root.parent)
+            if overlay_redirect_dir is None
+            else bool(overlay_redirect_dir)
+        )
 
     @property
     def kind(self) -> str:
@@ -1288,15 +1437,19 @@ class LocalBackend:
         """A sandbox whose /testbed starts as ``checkout`` (never modified)."""
         if self.mode == "overlay":
             return OverlaySandbox(
-                self.store, self.runner, (str(checkout),), max_layers=self.max_layers
-            )
+                self.store, self.runner, (str(checkout),), max_layers=self.max_layers,
+                redirect_dir=self.redirect_dir,
+            )  # fmt: skip
         return GitSandbox(self.store, self.runner, base=checkout)
 
     def from_snapshot(self, snap: SandboxSnapshot) -> Sandbox:
         """A new sandbox in ``snap``'s state (a snapshot of this backend)."""
         snap.check()
         if isinstance(snap, OverlaySnapshot) and self.mode == "overlay":
-            return OverlaySandbox(self.store, self.runner, snap.stack, max_layers=self.max_layers)
+            return OverlaySandbox(
+                self.store, self.runner, snap.stack, max_layers=self.max_layers,
+                redirect_dir=self.redirect_dir,
+            )  # fmt: skip
         if isinstance(snap, GitSnapshot) and self.mode == "git":
             return GitSandbox(self.store, self.runner, snap=snap)
         raise SandboxError(
