@@ -305,11 +305,12 @@ class ScriptedPolicy:
 class LLMPolicy:
     """A generation engine behind a prompt builder: ReAct replies parsed into env actions.
 
-    The prompt is ChatML (``<|im_start|>role ... <|im_end|>``, what Qwen2 and SmolLM2
-    use). Earlier replies enter the prompt as the token ids that were sampled, not as
-    re-tokenised text, so the context the model conditioned on is exactly the one whose
-    log-probs were recorded, and each turn's prompt extends the previous one (the
-    engine's prefix cache then prefills only new tokens).
+    The prompt is written in the tokenizer's chat template
+    (:mod:`~branchgym.agents.chat_format`; ChatML, ``<|im_start|>role ... <|im_end|>``,
+    when the tokenizer has none). Earlier replies enter the prompt as the token ids that
+    were sampled, not as re-tokenised text, so the context the model conditioned on is
+    exactly the one whose log-probs were recorded, and each turn's prompt extends the
+    previous one (the engine's prefix cache then prefills only new tokens).
 
     Args:
         engine: An engine with ``generate``, ``encode``, ``decode`` and ``stop_token_ids``
@@ -325,6 +326,7 @@ class LLMPolicy:
         self.prompt = prompt
         self.max_new_tokens = int(max_new_tokens)
         self._head: dict[tuple[str, str, str], list[int]] = {}
+        self._chat: Any = None
 
     def builder(self, context: Context) -> Any:
         """The prompt builder for ``context``."""
@@ -334,28 +336,37 @@ class LLMPolicy:
 
         return prompt_for(context.env_id)
 
+    @property
+    def chat(self) -> Any:
+        """The prompt format: the engine tokenizer's chat template, else ChatML."""
+        if self._chat is None:
+            from branchgym.agents.chat_format import chat_format
+
+            tok = getattr(self.engine, "tokenizer", None)
+            stops = tok.convert_ids_to_tokens(list(self.engine.stop_token_ids)) if tok else []
+            self._chat = chat_format(tok, tuple(s for s in stops if isinstance(s, str)))
+        return self._chat
+
     def prompt_ids(self, context: Context) -> list[int]:
-        """Token ids of the ChatML prompt for the next action in ``context``."""
+        """Token ids of the prompt (:attr:`chat` format) for the next action in ``context``."""
         b = self.builder(context)
         enc = self.engine.encode
+        chat = self.chat
         system, task = b.system_prompt(), b.task_message(context.observation, context.info)
         key = (type(b).__name__, system, task)
         if key not in self._head:
             if len(self._head) >= 256:  # one entry per task; keep the memory bounded
                 self._head.clear()
-            self._head[key] = enc(
-                f"<|im_start|>system\n{system}<|im_end|>\n"
-                f"<|im_start|>user\n{task}<|im_end|>\n<|im_start|>assistant\n"
-            )
+            self._head[key] = enc(chat.head(system, task))
         head = self._head[key]
         stops = set(self.engine.stop_token_ids)
         segments = []
         for turn in context.turns:
             seg = list(turn.token_ids)
-            if not turn.token_ids or turn.token_ids[-1] not in stops:
-                seg.extend(enc("<|im_end|>"))  # a reply cut at max_new_tokens
+            if chat.stop_text and (not turn.token_ids or turn.token_ids[-1] not in stops):
+                seg.extend(enc(chat.stop_text))  # a reply cut at max_new_tokens
             msg = b.observation_message(turn.observation, turn.info)
-            seg.extend(enc(f"\n<|im_start|>user\n{msg}<|im_end|>\n<|im_start|>assistant\n"))
+            seg.extend(enc(chat.after_stop + chat.user_turn(msg)))
             segments.append(seg)
         budget = self.max_prompt_tokens()
         rest = sum(map(len, segments))
@@ -367,8 +378,9 @@ class LLMPolicy:
             rest -= len(segments[dropped])
             dropped += 1
             note = enc(
-                f"[{dropped} earlier turn(s) omitted to fit the context]<|im_end|>\n"
-                "<|im_start|>user\nContinue.<|im_end|>\n<|im_start|>assistant\n"
+                f"[{dropped} earlier turn(s) omitted to fit the context]"
+                + chat.reply_end
+                + chat.user_turn("Continue.")
             )
         ids = list(head) + note
         for seg in segments[dropped:]:
@@ -407,14 +419,24 @@ class LLMPolicy:
     ) -> list[list[ActionSample]]:
         """Generate ``n`` replies per request in one engine call and parse them."""
         prompts = [self.prompt_ids(r.context) for r in requests]
+        if getattr(self.engine, "per_prompt_seeds", False):
+            # One seed per request from its first rollout's own stream: a request samples
+            # the same tokens whichever other requests (other trees) share the batch.
+            seeding: dict[str, Any] = {
+                "seeds": [int(sample_rng(r, 0, rng).integers(2**62)) for r in requests]
+            }
+        else:
+            # The first rollout's own stream when the engine gives one: the batch's seed
+            # then does not depend on the order in which rollouts were scheduled.
+            seeding = {
+                "seed": int(sample_rng(requests[0], 0, rng).integers(2**62)) if requests else 0
+            }
         gens = self.engine.generate(
             prompts,
             [r.n for r in requests],
             prefixes=[list(r.prefix_token_ids) for r in requests],
             max_new_tokens=self.max_new_tokens,
-            # The first rollout's own stream when the engine gives one: the batch's seed
-            # then does not depend on the order in which rollouts were scheduled.
-            seed=int(sample_rng(requests[0], 0, rng).integers(2**62)) if requests else 0,
+            **seeding,
         )
         out = []
         for req, batch in zip(requests, gens, strict=True):

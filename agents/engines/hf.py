@@ -16,6 +16,14 @@ contexts (``prefix_cache_entries``) also lets a multi-turn dialogue prefill only
 new tokens each turn, and lets siblings start from the KV cache the backbone built at
 that state. ``branchgym bench engine`` measures both.
 
+Distinct prompts are decoded together (``batch_prompts=True``): each prompt is prefilled
+on its own (incrementally, from the prefix cache), then the KV caches are left-padded
+into one batch with an attention mask and per-row positions, and one forward pass per
+token advances every row; rows that stop leave the batch. Each prompt draws its sampling
+noise from its own generator (``seeds``), so a prompt samples the same tokens whether it
+is decoded alone or in a batch, and its log-probs and entropies agree to float tolerance
+(the padded batch only changes summation order).
+
 Runs on CPU (float32) here and on CUDA with bfloat16 when a GPU is present.
 """
 
@@ -89,7 +97,12 @@ class HFEngine:
         topk: k of the top-k entropy estimate (20).
         threads: CPU threads for torch (``torch.set_num_threads``; process-wide). One
             thread is fastest for tiny models on a shared CPU; None leaves torch's choice.
+        batch_prompts: Decode distinct prompts in one left-padded batch (default True);
+            False decodes them one after another (each prompt's n samples still batched).
     """
+
+    #: ``generate`` takes ``seeds=`` (one sampling stream per prompt).
+    per_prompt_seeds = True
 
     def __init__(
         self,
@@ -104,6 +117,7 @@ class HFEngine:
         prefix_cache_entries: int = 16,
         topk: int = TOPK_ENTROPY,
         threads: int | None = None,
+        batch_prompts: bool = True,
     ) -> None:
         """Move the model to its device and dtype and set the stop tokens."""
         if threads is not None:
@@ -121,6 +135,7 @@ class HFEngine:
         self.reuse_prefix = reuse_prefix
         self.prefix_cache_entries = int(prefix_cache_entries)
         self.topk = int(topk)
+        self.batch_prompts = bool(batch_prompts)
         self._cache: collections.OrderedDict[tuple[int, ...], tuple[Any, torch.Tensor]] = (
             collections.OrderedDict()
         )
@@ -194,7 +209,9 @@ class HFEngine:
         prefixes: Sequence[Sequence[int]] | None = None,
         max_new_tokens: int | None = None,
         seed: int | None = None,
+        seeds: Sequence[int] | None = None,
         reuse_prefix: bool | None = None,
+        batch_prompts: bool | None = None,
     ) -> list[list[Generation]]:
         """Sample ``n[i]`` completions of each prompt at temperature 1.
 
@@ -204,22 +221,86 @@ class HFEngine:
             prefixes: Tokens each completion of prompt ``i`` must start with (a fork
                 inside a turn); their log-probs and entropies are reported too.
             max_new_tokens: Cap on sampled tokens (default: the engine's).
-            seed: Seed of the sampling noise (same seed, same samples).
+            seed: Seed of the sampling noise (same seed, same samples): prompt ``i``
+                draws from ``seed + i``.
+            seeds: One seed per prompt instead (overrides ``seed``): a prompt's samples
+                then depend only on its own seed, not on the other prompts of the call.
             reuse_prefix: Override the engine's setting for this call.
+            batch_prompts: Override the engine's setting for this call (decode the
+                prompts in one padded batch, or one after another).
         """
         counts = [n] * len(prompts) if isinstance(n, int) else list(n)
         if len(counts) != len(prompts):
             raise EngineError(f"{len(prompts)} prompts but {len(counts)} sample counts")
+        if seeds is not None and len(seeds) != len(prompts):
+            raise EngineError(f"{len(prompts)} prompts but {len(seeds)} seeds; give one each")
         prefixes = prefixes or [()] * len(prompts)
         reuse = self.reuse_prefix if reuse_prefix is None else reuse_prefix
-        gen = torch.Generator(device=self.device)
-        # without a seed, fresh OS entropy (torch.seed() would reseed torch's global RNG)
-        gen.manual_seed(int(seed) if seed is not None else int.from_bytes(os.urandom(7), "big"))
+        batched = self.batch_prompts if batch_prompts is None else batch_prompts
         limit = self.max_new_tokens if max_new_tokens is None else int(max_new_tokens)
-        return [
-            self._sample(list(p), list(f), k, limit, gen, reuse) if k > 0 else []
-            for p, f, k in zip(prompts, prefixes, counts, strict=True)
-        ]
+        if seeds is None:
+            # without a seed, fresh OS entropy (torch.seed() would reseed torch's global RNG)
+            base = int(seed) if seed is not None else int.from_bytes(os.urandom(7), "big")
+            seeds = [(base + i) % (1 << 63) for i in range(len(prompts))]
+        jobs = []
+        for p, f, k, s in zip(prompts, prefixes, counts, seeds, strict=True):
+            gen = torch.Generator(device=self.device)
+            gen.manual_seed(int(s))
+            jobs.append((list(p), list(f), k, gen))
+        live = [j for j, job in enumerate(jobs) if job[2] > 0]
+        out: list[list[Generation]] = [[] for _ in jobs]
+        if batched and reuse and len(live) > 1 and self._paddable():
+            for j, gens in zip(
+                live, self._sample_batch([jobs[j] for j in live], limit), strict=True
+            ):
+                out[j] = gens
+            return out
+        for j in live:
+            p, f, k, gen = jobs[j]
+            out[j] = self._sample(p, f, k, limit, gen, reuse)
+        return out
+
+    def _paddable(self) -> bool:
+        """Whether KV caches can be left-padded into one batch (no sliding-window layers)."""
+        cfg = self.model.config
+        return not getattr(cfg, "use_sliding_window", False) and not getattr(
+            cfg, "sliding_window_pattern", None
+        )
+
+    def _check_length(self, ctx_len: int, limit: int) -> None:
+        if ctx_len + limit > self.max_positions:
+            raise EngineError(
+                f"prompt of {ctx_len} tokens + {limit} new exceeds the model's "
+                f"{self.max_positions} positions; shorten the dialogue or max_new_tokens."
+            )
+
+    def _open(self, prompt: list[int], prefix: list[int]) -> tuple[Any, torch.Tensor]:
+        """Batch-1 KV cache of ``prompt + prefix`` and its logits rows.
+
+        The rows run from the prompt's last token on: one per forced prefix token, then
+        the one that predicts the first new token.
+        """
+        cache, rows = self._prefill(prompt, use_cache=self.prefix_cache_entries > 0)
+        if prefix:  # forced tokens: their rows give their log-probs and entropies
+            logits, cache = self._forward(torch.tensor([prefix], device=self.device), cache)
+            self.stats["prefill_tokens"] += len(prefix)
+            rows = torch.cat([rows, logits[0]], dim=0)
+        return cache, rows
+
+    def _prefix_stats(
+        self, prefix: list[int], rows: torch.Tensor
+    ) -> tuple[list[float], list[float], list[float]]:
+        """Log-probs, entropies and top-k entropies of the forced prefix tokens."""
+        if not prefix:
+            return [], [], []
+        lp, ent, ent_k = _stats(rows[:-1], self.topk)
+        idx = torch.tensor(prefix, device=lp.device)
+        return lp.gather(-1, idx[:, None])[:, 0].tolist(), ent.tolist(), ent_k.tolist()
+
+    @staticmethod
+    def _gumbel(lp: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+        """Gumbel-max: an exact sample from softmax(lp) given uniform noise ``u``."""
+        return torch.argmax(lp - torch.log(-torch.log(u.clamp_(1e-20, 1.0))), dim=-1)
 
     def _sample(
         self,
@@ -233,17 +314,9 @@ class HFEngine:
         if not prompt:
             raise EngineError("an empty prompt cannot be continued; give at least one token")
         ctx = prompt + prefix
-        if len(ctx) + limit > self.max_positions:
-            raise EngineError(
-                f"prompt of {len(ctx)} tokens + {limit} new exceeds the model's "
-                f"{self.max_positions} positions; shorten the dialogue or max_new_tokens."
-            )
+        self._check_length(len(ctx), limit)
         if reuse:
-            cache, rows = self._prefill(prompt, use_cache=self.prefix_cache_entries > 0)
-            if prefix:  # forced tokens: their rows give their log-probs and entropies
-                logits, cache = self._forward(torch.tensor([prefix], device=self.device), cache)
-                self.stats["prefill_tokens"] += len(prefix)
-                rows = torch.cat([rows, logits[0]], dim=0)
+            cache, rows = self._open(prompt, prefix)
             if n > 1:
                 cache.batch_repeat_interleave(n)
         else:  # recompute the shared context once per sample, as independent requests do
@@ -254,13 +327,7 @@ class HFEngine:
             )
             self.stats["prefill_tokens"] += n * len(ctx)
             rows = logits[0, len(prompt) - 1 :]
-        # log-probs and entropies of the forced prefix tokens
-        pre_lp, pre_ent, pre_k = [], [], []
-        if prefix:
-            lp, ent, ent_k = _stats(rows[:-1], self.topk)
-            idx = torch.tensor(prefix, device=lp.device)
-            pre_lp = lp.gather(-1, idx[:, None])[:, 0].tolist()
-            pre_ent, pre_k = ent.tolist(), ent_k.tolist()
+        pre_lp, pre_ent, pre_k = self._prefix_stats(prefix, rows)
         logits = rows[-1:].expand(n, -1)
         toks: list[list[int]] = [[] for _ in range(n)]
         lps: list[list[float]] = [[] for _ in range(n)]
@@ -270,9 +337,8 @@ class HFEngine:
         stops = set(self.stop_token_ids)
         for _ in range(limit):
             lp, ent, ent_k = _stats(logits, self.topk)
-            # Gumbel-max: an exact sample from softmax(logits), reproducible from `gen`
-            u = torch.rand(lp.shape, generator=gen, device=lp.device).clamp_(1e-20, 1.0)
-            nxt = torch.argmax(lp - torch.log(-torch.log(u)), dim=-1)
+            # reproducible from `gen`
+            nxt = self._gumbel(lp, torch.rand(lp.shape, generator=gen, device=lp.device))
             chosen = lp.gather(-1, nxt[:, None])[:, 0]
             nxt_l, ch_l, ent_l, entk_l = nxt.tolist(), chosen.tolist(), ent.tolist(), ent_k.tolist()
             for i in range(n):
@@ -299,6 +365,121 @@ class HFEngine:
             )
             for i in range(n)
         ]
+
+    def _sample_batch(
+        self, jobs: Sequence[tuple[list[int], list[int], int, torch.Generator]], limit: int
+    ) -> list[list[Generation]]:
+        """Decode several prompts' samples in one left-padded batch.
+
+        Each job ``(prompt, prefix, n, generator)`` is prefilled alone (the prefix cache
+        keeps that incremental); its KV cache is repeated n times and left-padded to the
+        longest context. Every decode step is one forward pass over the live rows with an
+        attention mask that hides the padding and each row's own positions. Job j draws
+        its noise ``(n_j, V)`` from its own generator at every step until all its rows
+        stop, exactly as :meth:`_sample` does, so both paths sample the same tokens.
+        """
+        from transformers import DynamicCache
+
+        for prompt, prefix, _, _ in jobs:
+            if not prompt:
+                raise EngineError("an empty prompt cannot be continued; give at least one token")
+            self._check_length(len(prompt) + len(prefix), limit)
+        opened = [self._open(p, f) for p, f, _, _ in jobs]
+        lens = [len(p) + len(f) for p, f, _, _ in jobs]
+        counts = [k for _, _, k, _ in jobs]
+        width, total = max(lens), sum(counts)
+        dev = self.device
+        layers = []
+        for li in range(len(opened[0][0].layers)):
+            ks, vs = [], []
+            for (cache, _), length, k in zip(opened, lens, counts, strict=True):
+                layer = cache.layers[li]
+                pad = (0, 0, width - length, 0)  # left-pad the sequence axis (dim -2)
+                ks.append(torch.nn.functional.pad(layer.keys, pad).expand(k, -1, -1, -1))
+                vs.append(torch.nn.functional.pad(layer.values, pad).expand(k, -1, -1, -1))
+            layers.append((torch.cat(ks), torch.cat(vs)))
+        cache = DynamicCache(ddp_cache_data=layers)
+        mask = torch.zeros(total, width, dtype=torch.long, device=dev)
+        owner, first = [], []
+        for j, (length, k) in enumerate(zip(lens, counts, strict=True)):
+            first.append(len(owner))
+            for _ in range(k):
+                mask[len(owner), width - length :] = 1
+                owner.append(j)
+        pos = torch.tensor([lens[j] for j in owner], device=dev)
+        pre = [
+            self._prefix_stats(f, rows)
+            for (_, f, _, _), (_, rows) in zip(jobs, opened, strict=True)
+        ]
+        logits = torch.cat(
+            [rows[-1:].expand(k, -1) for (_, rows), k in zip(opened, counts, strict=True)]
+        )
+        toks: list[list[int]] = [[] for _ in range(total)]
+        lps: list[list[float]] = [[] for _ in range(total)]
+        ents: list[list[float]] = [[] for _ in range(total)]
+        entk: list[list[float]] = [[] for _ in range(total)]
+        done = [False] * total
+        left = list(counts)  # rows of each job still sampling
+        active = list(range(total))  # global rows in the batch, in job order
+        stops = set(self.stop_token_ids)
+        for step in range(limit):
+            lp, ent, ent_k = _stats(logits, self.topk)
+            noise = []
+            for j, (_, _, k, gen) in enumerate(jobs):
+                if left[j] == 0:
+                    continue
+                u = torch.rand((k, lp.shape[-1]), generator=gen, device=lp.device)
+                here = [r - first[j] for r in active if owner[r] == j]
+                noise.append(u if len(here) == k else u[here])
+            nxt = self._gumbel(lp, torch.cat(noise))
+            chosen = lp.gather(-1, nxt[:, None])[:, 0]
+            nxt_l, ch_l, ent_l, entk_l = nxt.tolist(), chosen.tolist(), ent.tolist(), ent_k.tolist()
+            for i, r in enumerate(active):
+                toks[r].append(nxt_l[i])
+                lps[r].append(ch_l[i])
+                ents[r].append(ent_l[i])
+                entk[r].append(entk_l[i])
+                if nxt_l[i] in stops:
+                    done[r] = True
+                    left[owner[r]] -= 1
+            self.stats["decode_steps"] += 1
+            keep = [i for i, r in enumerate(active) if not done[r]]
+            if not keep or step == limit - 1:
+                break
+            if len(keep) < len(active):  # stopped rows leave the batch
+                idx = torch.tensor(keep, device=dev)
+                cache.batch_select_indices(idx)
+                mask, pos, nxt = mask[idx], pos[idx], nxt[idx]
+                active = [active[i] for i in keep]
+            mask = torch.cat([mask, mask.new_ones(len(active), 1)], dim=1)
+            out = self.model(
+                input_ids=nxt[:, None],
+                attention_mask=mask,
+                position_ids=pos[:, None],
+                past_key_values=cache,
+                use_cache=True,
+            )
+            cache, logits = out.past_key_values, out.logits[:, -1]
+            pos = pos + 1
+        results: list[list[Generation]] = []
+        for j, ((_, prefix, k, _), (pre_lp, pre_ent, pre_k)) in enumerate(
+            zip(jobs, pre, strict=True)
+        ):
+            rows_j = range(first[j], first[j] + k)
+            results.append(
+                [
+                    Generation(
+                        token_ids=np.asarray(prefix + toks[r], dtype=np.int64),
+                        logprobs=np.asarray(pre_lp + lps[r], dtype=np.float32),
+                        entropies=np.asarray(pre_ent + ents[r], dtype=np.float32),
+                        entropies_top20=np.asarray(pre_k + entk[r], dtype=np.float32),
+                        prefix_len=len(prefix),
+                        finish_reason="stop" if done[r] else "length",
+                    )
+                    for r in rows_j
+                ]
+            )
+        return results
 
     # ------------------------------------------------------------------ scoring
     @torch.inference_mode()
