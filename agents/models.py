@@ -217,17 +217,26 @@ def smollm2(cache: str | os.PathLike[str] | None = None, *, dtype: Any = None) -
 
 
 def load_model(name: str | os.PathLike[str], *, dtype: Any = None) -> tuple[Any, Any]:
-    """``tiny``, ``smollm2`` or a Hugging Face folder -> ``(model, tokenizer)``, eval mode."""
+    """``tiny``, ``smollm2``, a Hub id or a Hugging Face folder -> ``(model, tokenizer)``.
+
+    A Hub id (``Qwen/Qwen2.5-7B-Instruct``, ``org/name@revision``) is read from the local
+    Hugging Face cache and never downloaded (:mod:`~branchgym.agents.hub`). The model is in
+    eval mode.
+    """
     _require_llm()
     if str(name) == "tiny":
         return tiny_qwen2()
     if str(name) == "smollm2":
         return smollm2(dtype=dtype)
-    folder = Path(name)
+    from branchgym.agents.hub import is_hub_id, resolve_hub_id
+
+    # a Hub id (org/name[@revision]) comes from the local Hugging Face cache, offline
+    folder = resolve_hub_id(str(name)) if is_hub_id(str(name)) else Path(name)
     if not (folder / "config.json").exists():
         raise DataError(
-            f"{folder} is not a model folder (no config.json); give 'tiny', 'smollm2' or the "
-            "path of a folder saved with save_pretrained."
+            f"{folder} is not a model folder (no config.json); give 'tiny', 'smollm2', a "
+            "Hugging Face Hub id in the local cache (Qwen/Qwen2.5-7B-Instruct) or the path of "
+            "a folder saved with save_pretrained."
         )
     import json
 

@@ -132,7 +132,9 @@ def configure(p: argparse.ArgumentParser) -> None:
     p.add_argument("--algo", required=True, help=f"learner: {', '.join(LEARNERS)}")
     p.add_argument("--env", dest="env_id", default=None, help="env id (TextTreeMDP by default)")
     p.add_argument("--env-kwargs", default=None, help="JSON dict of gym.make keywords")
-    p.add_argument("--model", default=None, help="tiny | smollm2 | a model folder")
+    p.add_argument(
+        "--model", default=None, help="tiny | smollm2 | a Hub id in the HF cache | a model folder"
+    )
     p.add_argument("--policy", default=None, help="generate | scoring | auto")
     p.add_argument("--steps", type=int, default=None, help="rollout batches")
     p.add_argument("--prompts", dest="prompts_per_step", type=int, default=None)

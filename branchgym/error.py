@@ -24,6 +24,7 @@ __all__ = [
     "InvalidActionError",
     "DataError",
     "GameLoadError",
+    "ModelNotCachedError",
     "FidelityViolation",
     "FidelitySetupError",
     "FidelityWarning",
@@ -33,6 +34,7 @@ __all__ = [
     "OptionError",
     "SandboxConfigError",
     "SandboxUnavailableError",
+    "RepoEnvironmentError",
     "ScheduleError",
     "ExecutorError",
     "EngineError",
@@ -104,6 +106,10 @@ class GameLoadError(DataError):
     """A game (e.g. an ALFWorld PDDL problem) cannot be loaded by its engine."""
 
 
+class ModelNotCachedError(DataError):
+    """A Hugging Face Hub model id is not in the local Hub cache (nothing is downloaded)."""
+
+
 class FidelityViolation(SnapshotError, AssertionError):
     """A restored state behaves differently from the state that was snapshotted.
 
@@ -151,6 +157,10 @@ class SandboxConfigError(SandboxError, ValueError):
 
 class SandboxUnavailableError(SandboxError):
     """A sandbox backend cannot run on this machine (no mounts, no Docker daemon, no image)."""
+
+
+class RepoEnvironmentError(SandboxUnavailableError):
+    """A task's own Python environment cannot be built (install failed, dependencies missing)."""
 
 
 class OptionError(Error, ValueError):
