@@ -67,6 +67,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from branchgym.envs.swebench.gitsnap import GITSNAP_SOURCE
 from branchgym.envs.swebench.limits import Limits
 from branchgym.envs.swebench.sandbox import (
     TREE_DIGEST_SOURCE,
@@ -284,78 +285,49 @@ class _Images:
 
 # ------------------------------------------------------------------- git mode code
 
-_GIT_SNAPSHOT = r"""
-import hashlib, json, os, stat, subprocess, sys
+# The snapshot code is the git backend's own (gitsnap: nested repositories, FIFOs, hard
+# links, .git files, modes and times), run by the container's python3 as root.
+_GIT_DRIVER = r"""
+import subprocess, sys
 S = "/var/lib/branchgym"
-def git(*a, work, index):
+def git(*a, work, index=None, stdin=None):
     env = {k: v for k, v in os.environ.items() if not k.startswith("GIT_")}
-    env.update(GIT_DIR=S + "/snap.git", GIT_WORK_TREE=work, GIT_INDEX_FILE=index,
+    env.update(GIT_DIR=S + "/snap.git", GIT_WORK_TREE=work,
                GIT_CONFIG_NOSYSTEM="1", GIT_CONFIG_GLOBAL="/dev/null")
-    r = subprocess.run(["git", *a], cwd=work, env=env, capture_output=True, text=True)
+    if index is not None:
+        env["GIT_INDEX_FILE"] = index
+    r = subprocess.run(["git", *a], cwd=work, env=env, stdout=subprocess.PIPE,
+                       stderr=subprocess.PIPE, input=None if stdin is None else stdin.encode())
     if r.returncode:
-        sys.exit("git " + " ".join(a) + ": " + r.stderr)
-    return r.stdout.strip()
-def scan(root):
-    dirs, special = {}, {}
-    for top, ds, fs in os.walk(root):
-        for d in ds:
-            p = os.path.join(top, d)
-            dirs[os.path.relpath(p, root)] = stat.S_IMODE(os.lstat(p).st_mode)
-        for f in fs:
-            p = os.path.join(top, f); st = os.lstat(p)
-            if stat.S_ISREG(st.st_mode) and stat.S_IMODE(st.st_mode) not in (0o644, 0o755):
-                special[os.path.relpath(p, root)] = stat.S_IMODE(st.st_mode)
-    return dirs, special
-def add():
-    git("add", "-A", "-f", "--", ".", work="/testbed", index=S + "/index")
-    if os.path.isdir("/testbed/.git"):
-        git("add", "-A", "-f", "--", ".", work="/testbed/.git", index=S + "/gindex")
+        sys.exit("git " + " ".join(a) + ": " + r.stderr.decode(errors="replace"))
+    return r.stdout.decode(errors="surrogateescape")
 if not os.path.isdir(S + "/snap.git"):
     os.makedirs(S + "/m", exist_ok=True)
+    os.makedirs(S + "/idx", exist_ok=True)
     os.chmod(S, 0o700)
     subprocess.run(["git", "init", "-q", "--bare", S + "/snap.git"], check=True)
     subprocess.run(["git", "--git-dir", S + "/snap.git", "config", "gc.auto", "0"], check=True)
 if sys.argv[1] == "snapshot":
-    add()
-    t = git("write-tree", work="/testbed", index=S + "/index")
-    g = ""
-    if os.path.isdir("/testbed/.git"):
-        g = git("write-tree", work="/testbed/.git", index=S + "/gindex")
-    blob = json.dumps({"tree": t, "git": g, "modes": scan("/testbed")}, sort_keys=True)
+    trees, man = snapshot("/testbed", git, S + "/idx")
+    blob = json.dumps({"trees": trees, "manifest": man}, sort_keys=True)
     mid = hashlib.sha1(blob.encode()).hexdigest()
-    with open(f"{S}/m/{mid}.json", "w") as f:
+    with open(S + "/m/" + mid + ".json", "w") as f:
         f.write(blob)
     print(mid)
 else:
-    m = json.load(open(f"{S}/m/{sys.argv[2]}.json"))
-    add()
-    git("read-tree", "--reset", "-u", m["tree"], work="/testbed", index=S + "/index")
-    if m["git"]:
-        os.makedirs("/testbed/.git", exist_ok=True)
-        git("read-tree", "--reset", "-u", m["git"], work="/testbed/.git", index=S + "/gindex")
-    dirs, special = m["modes"]
-    now_dirs, now_special = scan("/testbed")
-    import shutil
-    for r in sorted(set(now_dirs) - set(dirs), key=len, reverse=True):
-        shutil.rmtree(os.path.join("/testbed", r), ignore_errors=True)
-    for r in sorted(dirs, key=len):
-        p = os.path.join("/testbed", r); os.makedirs(p, exist_ok=True)
-        if now_dirs.get(r) != dirs[r]:
-            os.chmod(p, dirs[r])
-    for r, mode in special.items():
-        os.chmod(os.path.join("/testbed", r), mode)
-    for r, mode in now_special.items():
-        if r not in special and os.path.exists(os.path.join("/testbed", r)):
-            os.chmod(os.path.join("/testbed", r), 0o755 if mode & 0o100 else 0o644)
+    with open(S + "/m/" + sys.argv[2] + ".json") as f:
+        m = json.load(f)
+    restore("/testbed", m["trees"], m["manifest"], git, S + "/idx")
     # read-tree ran as root: what it wrote belongs to root; give it back to the agent.
     uid, _, gid = sys.argv[3].partition(":")
     uid, gid = int(uid), int(gid or uid)
     for top, ds, fs in os.walk("/testbed"):
-        for name in [top, *(os.path.join(top, n) for n in ds + fs)]:
+        for name in [top] + [os.path.join(top, n) for n in ds + fs]:
             st = os.lstat(name)
             if (st.st_uid, st.st_gid) != (uid, gid):
                 os.lchown(name, uid, gid)
 """
+_GIT_SNAPSHOT = GITSNAP_SOURCE + _GIT_DRIVER
 
 
 # --------------------------------------------------------------------- snapshots
@@ -700,10 +672,11 @@ class DockerBackend:
         #: The agent's user in branchgym-built images, and in SWE-bench's / given ones.
         self.user = str(user or f"{SANDBOX_UID}:{SANDBOX_UID}")
         self.image_user = str(user or "0:0")
-        #: image id -> how its containers run commands (snapshot images inherit it).
-        self._info: dict[str, _ImageInfo] = {}
         self.client = docker_client()
         self.images = _images_for(self.client)
+        #: image id -> how its containers run commands (snapshot images inherit it);
+        #: shared by the backends of one daemon, as snapshots restore across env instances.
+        self._info = _INFO.setdefault(id(self.client), {})
         self.pool = _pool()
         prune_stale(self.client)
 
@@ -1018,6 +991,7 @@ _INSIDE = (
 _BUILD_LOCK = threading.Lock()
 _QUOTA: dict[int, bool] = {}
 _IMAGES: dict[int, _Images] = {}
+_INFO: dict[int, dict[str, _ImageInfo]] = {}
 _POOL: concurrent.futures.ThreadPoolExecutor | None = None
 _FUTURES: list[concurrent.futures.Future] = []
 

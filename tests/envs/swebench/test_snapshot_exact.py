@@ -7,7 +7,10 @@ backends; the fidelity suite at the end drives the same actions through Hypothes
 """
 
 import hashlib
+import inspect
+import json
 import os
+import shlex
 import stat
 
 import gymnasium as gym
@@ -49,22 +52,37 @@ def fingerprint(root):
     return out
 
 
+FINGERPRINT = f"""
+import hashlib, json, os, stat
+{inspect.getsource(fingerprint)}
+print(json.dumps(fingerprint("/testbed")))
+"""
+
+
+def fingerprint_of(sb):
+    """The fingerprint of /testbed: on the host for local sandboxes, else inside."""
+    if hasattr(sb, "host_dir"):
+        return fingerprint(sb.host_dir)
+    out = run(sb, f"python3 -c {shlex.quote(FINGERPRINT)}")
+    return [tuple(x) for x in json.loads(out)]
+
+
 def check_round_trip(sb, mutate):
     """Snapshot, mutate, restore (and fork): the fingerprint comes back exactly."""
-    before = fingerprint(sb.host_dir)
+    before = fingerprint_of(sb)
     snap = sb.snapshot()
-    assert fingerprint(sb.host_dir) == before  # taking it changes nothing
+    assert fingerprint_of(sb) == before  # taking it changes nothing
     run(sb, mutate)
-    after = fingerprint(sb.host_dir)
+    after = fingerprint_of(sb)
     assert after != before
     snap2 = sb.snapshot()
     sb.restore(snap)
-    assert fingerprint(sb.host_dir) == before
+    assert fingerprint_of(sb) == before
     sb.restore(snap2)
-    assert fingerprint(sb.host_dir) == after
+    assert fingerprint_of(sb) == after
     child = sb.fork(snap)
     try:
-        assert fingerprint(child.host_dir) == before
+        assert fingerprint_of(child) == before
     finally:
         child.close()
     sb.restore(snap)
@@ -73,20 +91,8 @@ def check_round_trip(sb, mutate):
 
 
 def test_nested_repositories_and_unborn_heads(sandbox):
-    run(
-        sandbox,
-        f"git init -q a/inner && cd a/inner && echo one > f.txt && {GIT} add f.txt && "
-        f"{GIT} commit -qm one && mkdir -p deep && git init -q deep/er && cd /testbed && "
-        "git init -q empty && git clone -q . clone && mkdir gf && "
-        "echo 'gitdir: ../a/inner/.git' > gf/.git && echo w > gf/work.txt",
-    )
-    check_round_trip(
-        sandbox,
-        f"cd a/inner && echo two >> f.txt && {GIT} commit -qam two && echo u > untracked && "
-        "cd /testbed && echo e > empty/e.txt && rm -rf clone && git init -q later && "
-        "echo l > later/l.txt && mkdir plain && echo p > plain/p && git init -q plain && "
-        "rm -rf a/inner/deep/er/.git && rm gf/.git && git checkout -q --orphan orphan",
-    )
+    run(sandbox, NESTED)
+    check_round_trip(sandbox, NESTED_MUTATE)
     assert run(sandbox, "git -C a/inner log --format=%s") == "one\n"
     assert run(sandbox, "git -C empty status --short; ls -a empty") == ".\n..\n.git\n"
     assert run(sandbox, "git -C clone status --porcelain") == ""
@@ -205,6 +211,42 @@ def test_squashing_keeps_renames_fifos_and_links(task_by_name, checkout):
     finally:
         for s in snaps:
             s.release()
+        sb.close()
+
+
+NESTED = (
+    f"git init -q a/inner && cd a/inner && echo one > f.txt && {GIT} add f.txt && "
+    f"{GIT} commit -qm one && mkdir -p deep && git init -q deep/er && cd /testbed && "
+    "git init -q empty && git clone -q . clone && mkdir gf && "
+    "echo 'gitdir: ../a/inner/.git' > gf/.git && echo w > gf/work.txt"
+)
+NESTED_MUTATE = (
+    f"cd a/inner && echo two >> f.txt && {GIT} commit -qam two && echo u > untracked && "
+    "cd /testbed && echo e > empty/e.txt && rm -rf clone && git init -q later && "
+    "echo l > later/l.txt && mkdir plain && echo p > plain/p && git init -q plain && "
+    "rm -rf a/inner/deep/er/.git && rm gf/.git && git checkout -q --orphan orphan"
+)
+
+
+@pytest.mark.docker
+@pytest.mark.slow
+def test_docker_git_snapshots_are_exact_too(docker_available, task_by_name, checkout):
+    from branchgym.envs.swebench.docker_backend import DockerBackend
+
+    task = task_by_name["textstats"]
+    sb = DockerBackend(snapshot_mode="git").create(task, checkout(task))
+    try:
+        run(sb, NESTED)
+        run(sb, "mkfifo pipe && echo h > h1 && ln h1 h2 && ln -s /nonexistent dangling")
+        run(sb, "mkdir -p m/n && chmod 750 m/n && touch -d @1000000000 README.md m/n")
+        check_round_trip(
+            sb,
+            NESTED_MUTATE + " && rm pipe && echo s > h2.n && mv h2.n h2 && chmod 700 m/n && "
+            "echo more >> README.md",
+        )
+        assert run(sb, "stat -c '%F %h' pipe h1 h2") == "fifo 1\nregular file 2\nregular file 2\n"
+        assert run(sb, "echo v2 >> h1 && cat h2 && id -u") == "h\nv2\n1000\n"
+    finally:
         sb.close()
 
 
