@@ -97,6 +97,7 @@ def owned():
 
 
 @pytest.mark.docker
+@pytest.mark.slow
 def test_real_image_gold_resolves_wrong_does_not(fixture_task):
     task = fixture_task
     # No repos_dir: the image holds the repository.
@@ -130,11 +131,16 @@ def test_real_image_gold_resolves_wrong_does_not(fixture_task):
         assert env.step("git status --short; echo ${MODE:-unset}")[0] == "unset\n"
 
         env.step(task.extra["branchgym_fix_command"])
-        # Against base_commit the diff drags the setup commit in: `git apply` fails and
-        # `patch --batch` takes it for reversed and undoes the fix.
+        # Against base_commit the diff drags the setup commit in, and `git apply` refuses
+        # it in the image it is graded in (which already holds that change).
         dragged = working_tree_patch(sandbox, task.base_commit)
-        assert "README.md" in dragged
-        assert env.unwrapped.grade(dragged).resolved is False
+        assert "Installed into the testbed environment" in dragged
+        fresh = env.unwrapped.backend.create(task, None)
+        try:
+            fresh.write("/testbed/dragged.diff", dragged.encode())
+            assert fresh.exec("git apply --check dragged.diff").exit_code != 0
+        finally:
+            fresh.close()
 
         obs, reward, terminated, _, info = env.step("submit")
         assert reward == 1.0 and terminated, obs
@@ -160,3 +166,21 @@ def test_missing_image_says_how_to_load_it(docker_available, task_by_name):
             env.reset(options={"instance_id": task.instance_id})
     finally:
         env.close()
+
+
+@pytest.mark.docker
+@pytest.mark.slow
+def test_check_env_on_a_real_image(fixture_task):
+    """Snapshots of a SWE-bench image restore in another instance with its user and env."""
+    from branchgym.checker import check_env
+    from branchgym.envs.swebench.env import PROBE_ACTIONS
+
+    report = check_env(
+        lambda: gym.make(
+            ENV_ID, tasks=[fixture_task], backend="docker", suggested_actions=PROBE_ACTIONS
+        ),
+        seed=2,
+        checks=("round_trip", "independence", "portability", "release"),
+    )
+    assert report.ok, str(report)
+    assert owned() == {"containers": [], "images": []}
