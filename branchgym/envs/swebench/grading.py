@@ -1,20 +1,22 @@
-"""SWE-bench grading: apply the patch, apply the test patch, run the tests, parse the log.
+"""SWE-bench grading: apply the patch, run the instance's eval script, grade the log upstream's way.
 
-This follows SWE-bench's harness (``swebench.harness.grading`` and its eval script) step
-by step, so a branchgym reward means what a SWE-bench "resolved" means:
+A branchgym reward means what a SWE-bench "resolved" means because the ``swebench``
+package grades it (:mod:`~branchgym.envs.swebench.harness` wraps the package; see
+docs/swebench.md, "Grading"):
 
-1. In a fresh sandbox at ``base_commit``, apply the model patch with ``git apply -v``,
-   then ``git apply -v --reject``, then ``patch --batch --fuzz=5 -p1``; if none works the
-   patch "failed to apply" and the instance is not resolved.
-2. Reset the files the test patch touches to ``base_commit`` (new ones are removed),
-   apply the test patch, and run the task's test command on those files.
-3. Parse the log with the pytest log parser (:func:`parse_log_pytest`, the same line
-   format as upstream's ``parse_log_pytest``: ``-rA`` summary lines such as
-   ``PASSED tests/test_x.py::test_y`` or ``FAILED tests/test_x.py::test_z - Assert...``).
-4. ``FAIL_TO_PASS`` tests succeed when PASSED or XFAIL; ``PASS_TO_PASS`` tests are
-   maintained when PASSED, XFAIL or SKIPPED; a test missing from the log has failed.
-   Resolved (``RESOLVED_FULL``) = every FAIL_TO_PASS succeeds and every PASS_TO_PASS is
-   maintained; ``RESOLVED_PARTIAL`` = some but not all FAIL_TO_PASS, all PASS_TO_PASS.
+1. In a fresh sandbox at ``base_commit``, apply the model patch as upstream's
+   ``run_instance`` does (:data:`GIT_APPLY_CMDS` in order, the tree reset between
+   attempts, then ``git apply --check --reverse`` for a patch already in place); if none
+   works the patch "failed to apply" and the instance is not resolved.
+2. Run the instance's eval script (the package's ``TestSpec.eval_script``: reset the test
+   files, apply the test patch, run the repository's test command between the
+   ``>>>>> Start Test Output`` / ``>>>>> End Test Output`` markers, record its exit code).
+3. Grade the log with the package's ``get_logs_eval`` / ``get_eval_report``: the
+   repository's log parser (Django's ``test_x (module.Class) ... ok``, Sympy's, pytest's
+   ``-rA`` summary, ``parse_log_pytest_options`` for requests / pylint / pydicom, ...),
+   ``FAIL_TO_PASS`` passed (PASSED or XFAIL), ``PASS_TO_PASS`` maintained (or SKIPPED);
+   a log without both markers, or whose exit code contradicts it, is not resolved.
+4. A run past its timeout is not resolved (upstream never grades it).
 """
 
 from __future__ import annotations
@@ -27,7 +29,8 @@ import uuid
 from collections.abc import Iterable, Mapping
 from typing import TYPE_CHECKING, Any
 
-from branchgym.envs.swebench.tasks import SWEBenchTask, diff_files, new_files
+from branchgym.envs.swebench import harness
+from branchgym.envs.swebench.tasks import SWEBenchTask
 
 if TYPE_CHECKING:
     from branchgym.envs.swebench.sandbox import Sandbox
@@ -48,26 +51,23 @@ __all__ = [
     "test_directives",
     "START_TEST_OUTPUT",
     "END_TEST_OUTPUT",
+    "GIT_APPLY_CMDS",
 ]
 
+#: Upstream's markers (``swebench.harness.constants``), kept here so importing this module
+#: does not import the package.
 START_TEST_OUTPUT = ">>>>> Start Test Output"
 END_TEST_OUTPUT = ">>>>> End Test Output"
 FAIL_TO_PASS = "FAIL_TO_PASS"
 PASS_TO_PASS = "PASS_TO_PASS"
 
-#: Files of a test patch that are data, not tests (upstream's ``NON_TEST_EXTS``).
-NON_TEST_EXTS = (
-    ".json",
-    ".png",
-    "csv",
-    ".txt",
-    ".md",
-    ".jpg",
-    ".jpeg",
-    ".pkl",
-    ".yml",
-    ".yaml",
-    ".toml",
+#: How upstream's ``run_instance`` applies a model patch, in order (its ``GIT_APPLY_CMDS``;
+#: ``swebench.harness.run_evaluation`` imports docker, so it is not imported here).
+GIT_APPLY_CMDS = (
+    "git apply --verbose",
+    "git apply --verbose --3way",
+    "git apply --verbose --reject",
+    "patch --batch --forward --fuzz=5 -p1 -i",
 )
 
 
@@ -128,45 +128,31 @@ def parse_log_pytest(log: str) -> dict[str, str]:
     return status_map
 
 
-def _passed(test: str, sm: Mapping[str, str]) -> bool:
-    return sm.get(test) in (TestStatus.PASSED.value, TestStatus.XFAIL.value)
-
-
-def _maintained(test: str, sm: Mapping[str, str]) -> bool:
-    return _passed(test, sm) or sm.get(test) == TestStatus.SKIPPED.value
-
-
 def tests_report(
     status_map: Mapping[str, str], fail_to_pass: Iterable[str], pass_to_pass: Iterable[str]
 ) -> dict[str, dict[str, list[str]]]:
-    """Success and failure lists of FAIL_TO_PASS and PASS_TO_PASS, as upstream reports them."""
-    report: dict[str, dict[str, list[str]]] = {
-        FAIL_TO_PASS: {"success": [], "failure": []},
-        PASS_TO_PASS: {"success": [], "failure": []},
-    }
-    for t in fail_to_pass:
-        report[FAIL_TO_PASS]["success" if _passed(t, status_map) else "failure"].append(t)
-    for t in pass_to_pass:
-        report[PASS_TO_PASS]["success" if _maintained(t, status_map) else "failure"].append(t)
-    return report
+    """Success and failure lists of FAIL_TO_PASS and PASS_TO_PASS.
+
+    Upstream's ``get_eval_tests_report`` (pass-and-fail grading).
+    """
+    from swebench.harness.grading import get_eval_tests_report
+
+    gold = {FAIL_TO_PASS: list(fail_to_pass), PASS_TO_PASS: list(pass_to_pass)}
+    report = get_eval_tests_report(dict(status_map), gold)
+    return {k: report[k] for k in (FAIL_TO_PASS, PASS_TO_PASS)}
 
 
 tests_report.__test__ = False  # type: ignore[attr-defined]  # not a pytest test
 
 
-def _rate(part: Mapping[str, list[str]]) -> float:
-    total = len(part["success"]) + len(part["failure"])
-    return 1.0 if total == 0 else len(part["success"]) / total
-
-
 def resolution_status(report: Mapping[str, Mapping[str, list[str]]]) -> ResolvedStatus:
-    """FULL when all FAIL_TO_PASS and PASS_TO_PASS succeed; PARTIAL; NO."""
-    f2p, p2p = _rate(report[FAIL_TO_PASS]), _rate(report[PASS_TO_PASS])
-    if f2p == 1 and p2p == 1:
-        return ResolvedStatus.FULL
-    if 0 < f2p < 1 and p2p == 1:
-        return ResolvedStatus.PARTIAL
-    return ResolvedStatus.NO
+    """FULL when all FAIL_TO_PASS and PASS_TO_PASS succeed; PARTIAL; NO.
+
+    Upstream's ``get_resolution_status``.
+    """
+    from swebench.harness.grading import get_resolution_status
+
+    return ResolvedStatus(get_resolution_status(dict(report)))
 
 
 @dataclasses.dataclass
@@ -184,6 +170,7 @@ class GradeReport:
         apply_log: Output of the patch application.
         test_log: Output of the test run (between the start and end markers).
         rejected: Why the patch was refused without running (``harness_guard``), if it was.
+        timed_out: The eval script ran past its timeout (upstream: not resolved).
     """
 
     instance_id: str
@@ -196,6 +183,7 @@ class GradeReport:
     apply_log: str = ""
     test_log: str = ""
     rejected: str = ""
+    timed_out: bool = False
 
     def to_swebench(self) -> dict[str, dict[str, Any]]:
         """The report in the shape of upstream's ``get_eval_report`` output."""
@@ -217,6 +205,8 @@ class GradeReport:
             return f"Not resolved: {self.rejected}."
         if not self.patch_applied:
             return "Not resolved: the patch does not apply to the base commit."
+        if self.timed_out:
+            return "Not resolved: the tests ran past the grading timeout."
         f, p = self.tests_status[FAIL_TO_PASS], self.tests_status[PASS_TO_PASS]
         counts = (
             f"FAIL_TO_PASS {len(f['success'])}/{len(f['success']) + len(f['failure'])} pass, "
@@ -268,8 +258,11 @@ def rejected_report(task: SWEBenchTask, reason: str) -> GradeReport:
 
 
 def test_directives(task: SWEBenchTask) -> list[str]:
-    """Test files to run: those the test patch touches, data files excluded."""
-    return [f for f in diff_files(task.test_patch) if not f.endswith(NON_TEST_EXTS)]
+    """What the test command is given (upstream's ``get_test_directives``).
+
+    See :func:`~branchgym.envs.swebench.harness.test_directives`.
+    """
+    return harness.test_directives(task)
 
 
 test_directives.__test__ = False  # type: ignore[attr-defined]  # not a pytest test
@@ -312,46 +305,48 @@ def working_tree_patch(sandbox: Sandbox, base_commit: str, *, timeout: float = 1
 
 
 def _apply_model_patch(sandbox: Sandbox, patch: str, timeout: float) -> tuple[bool, str]:
+    """Apply ``patch`` as upstream's ``run_instance`` does; returns (applied, log).
+
+    Each of :data:`GIT_APPLY_CMDS` in turn, the tree reset to the base between attempts
+    (a failed ``--reject`` leaves partial state), then ``git apply --check --reverse``
+    (a patch that is already in place counts as applied). The patch file sits in the
+    work tree (sandboxes write only there), kept out of the reset and removed after.
+    """
     name = f".branchgym-model-{uuid.uuid4().hex[:8]}.patch"
     sandbox.write(f"{sandbox.workdir}/{name}", patch.encode())
     q = shlex.quote(name)
-    script = (
-        f"git apply -v {q} || git apply -v --reject {q} || patch --batch --fuzz=5 -p1 -i {q}; "
-        f"rc=$?; rm -f {q}; exit $rc"
-    )
-    res = sandbox.exec(script, cwd=sandbox.workdir, timeout=timeout)
+    lines = []
+    for n, cmd in enumerate(GIT_APPLY_CMDS):
+        if n:
+            lines.append(f"git checkout -- . >/dev/null 2>&1; git clean -fdq -e {q}")
+        lines.append(f"if {cmd} {q}; then rm -f {q}; exit 0; fi")
+        lines.append(f"echo {shlex.quote('Failed to apply patch: ' + cmd)}")
+    lines.append(f"if git apply --check --reverse {q}; then rm -f {q}; exit 0; fi")
+    lines.append(f"rm -f {q}; exit 1")
+    res = sandbox.exec("\n".join(lines), cwd=sandbox.workdir, timeout=timeout)
     return res.exit_code == 0, res.text
 
 
 def run_eval(
     sandbox: Sandbox, task: SWEBenchTask, *, timeout: float = 600.0
 ) -> tuple[dict[str, str], str]:
-    """Apply the test patch and run the tests in ``sandbox``; returns (status map, log).
+    """Run ``task``'s eval script in ``sandbox``; returns (status map, log).
 
-    The sandbox is modified (test files reset and patched); pass a throwaway one.
+    The status map is what the package's log parser reads between the markers ({} for a
+    log upstream would not grade: no markers, an error marker, a timeout). The sandbox
+    is modified (test files reset and patched); pass a throwaway one.
     """
-    modified = [f for f in diff_files(task.test_patch) if f not in new_files(task.test_patch)]
-    created = new_files(task.test_patch)
-    name = f".branchgym-test-{uuid.uuid4().hex[:8]}.patch"
-    sandbox.write(f"{sandbox.workdir}/{name}", task.test_patch.encode())
-    parts = []
-    if modified:
-        files = " ".join(map(shlex.quote, modified))
-        parts.append(f"git checkout -q {shlex.quote(task.base_commit)} -- {files}")
-    if created:
-        parts.append("rm -f " + " ".join(map(shlex.quote, created)))
-    parts.append(f"git apply -v {shlex.quote(name)}; rm -f {shlex.quote(name)}")
-    directives = " ".join(map(shlex.quote, test_directives(task)))
-    parts.append(f"echo {shlex.quote(START_TEST_OUTPUT)}")
-    parts.append(f"{task.test_cmd} {directives}")
-    parts.append(f"echo {shlex.quote(END_TEST_OUTPUT)}")
-    res = sandbox.exec("\n".join(parts), cwd=sandbox.workdir, timeout=timeout)
+    spec = harness.test_spec(task, workdir=sandbox.workdir)
+    log, timed_out = _run_spec(sandbox, spec, timeout)
+    return harness.grade_log(spec, log, timed_out=timed_out)[1], log
+
+
+def _run_spec(sandbox: Sandbox, spec: Any, timeout: float) -> tuple[str, bool]:
+    res = sandbox.exec(spec.eval_script, cwd=sandbox.workdir, timeout=timeout)
     log = res.text
-    if START_TEST_OUTPUT in log and END_TEST_OUTPUT in log:
-        body = log.split(START_TEST_OUTPUT, 1)[1].split(END_TEST_OUTPUT, 1)[0]
-    else:  # timed out or the test patch did not apply: parse what there is
-        body = log
-    return parse_log_pytest(body), log
+    if res.timed_out:  # what upstream's run_instance writes to test_output.txt
+        log += "\n\n" + harness.TIMEOUT_NOTE.format(timeout=f"{timeout:g}")
+    return log, res.timed_out
 
 
 def grade(
@@ -361,30 +356,38 @@ def grade(
 
     Args:
         sandbox: Consumed: the patches are applied to it. Close it afterwards.
-        task: The task (its test patch and test lists decide).
+        task: The task (its test patch, test lists and repository's spec decide).
         patch: A unified diff (``None`` or blank = no patch).
-        timeout: Seconds for the test run.
+        timeout: Seconds for the eval script (a run past it is not resolved).
     """
     empty = {FAIL_TO_PASS: {"success": [], "failure": list(task.fail_to_pass)},
              PASS_TO_PASS: {"success": [], "failure": list(task.pass_to_pass)}}  # fmt: skip
     if patch is None or not patch.strip():
         return GradeReport(task.instance_id, False, False, False, ResolvedStatus.NO, empty, {})
+    spec = harness.test_spec(task, workdir=sandbox.workdir)  # bad rows fail before running
     applied, apply_log = _apply_model_patch(sandbox, patch, timeout=min(timeout, 120.0))
     if not applied:
         return GradeReport(
             task.instance_id, True, False, False, ResolvedStatus.NO, empty, {}, apply_log
         )
-    status_map, log = run_eval(sandbox, task, timeout=timeout)
-    report = tests_report(status_map, task.fail_to_pass, task.pass_to_pass)
-    status = resolution_status(report)
+    log, timed_out = _run_spec(sandbox, spec, timeout)
+    upstream, status_map = harness.grade_log(spec, log, patch=patch, timed_out=timed_out)
+    tests_status = upstream.get("tests_status")
+    if tests_status is None:  # not graded: no markers, an error marker, or a timeout
+        status = ResolvedStatus.NO
+        tests_status = empty
+    else:
+        tests_status = {k: tests_status[k] for k in (FAIL_TO_PASS, PASS_TO_PASS)}
+        status = resolution_status(tests_status)
     return GradeReport(
         task.instance_id,
         True,
         True,
-        status is ResolvedStatus.FULL,
+        bool(upstream["resolved"]),
         status,
-        report,
+        tests_status,
         status_map,
         apply_log,
         log,
+        timed_out=timed_out,
     )
