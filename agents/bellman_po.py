@@ -124,18 +124,19 @@ def main(args: Args, algo: str = "bellman_po") -> TrainResult:
     run = Run(args, algo, needs_ref=False)  # no KL penalty: no reference model
     for _ in run.loop():
         # 1. G rollouts per prompt from mu
-        trees = [
-            group_rollouts(
-                run.spec,
-                run.behaviour,
-                args.g,
-                seed=s,
-                rng=run.rng(i),
-                executor=run.executor,
-                max_steps=args.max_episode_steps,
-            )
-            for i, s in enumerate(run.prompt_seeds())
-        ]
+        trees = run.rollouts(
+            [
+                functools.partial(
+                    group_rollouts,
+                    run.spec,
+                    n=args.g,
+                    seed=s,
+                    rng=run.rng(i),
+                    max_steps=args.max_episode_steps,
+                )
+                for i, s in enumerate(run.prompt_seeds())
+            ]
+        )
         batch = Batch(trees, success_threshold=args.success_threshold)
         # 2. the advantages (the loss recomputes them from the rewards; here for logging)
         rewards = torch.tensor(np.stack([t.returns() for t in trees]))

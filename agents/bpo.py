@@ -385,24 +385,26 @@ def main(args: Args, algo: str = "bpo") -> TrainResult:
         if args.branching:
             # steps 1-3: a backbone, M branch points by entropy, K-1 siblings at each
             # (G backbones per prompt; G = 1 is the spec and draws from run.rng(i) as before)
-            trees = [
-                grow_tree(
-                    run.spec,
-                    run.behaviour,
-                    schedule,
-                    m=args.m,
-                    k=args.k,
-                    seed=s,
-                    rng=run.rng(i) if j == 0 else run.rng(i, j),
-                    executor=run.executor,
-                    keep=args.keep,
-                    max_steps=args.max_episode_steps,
-                    schedule_options=schedule_options,
-                    env_noise=args.env_noise,
-                )
-                for i, s in enumerate(seeds)
-                for j in range(args.backbones)
-            ]
+            # (all prompts' trees in lockstep: one batched policy call per turn)
+            trees = run.rollouts(
+                [
+                    functools.partial(
+                        grow_tree,
+                        run.spec,
+                        schedule=schedule,
+                        m=args.m,
+                        k=args.k,
+                        seed=s,
+                        rng=run.rng(i) if j == 0 else run.rng(i, j),
+                        keep=args.keep,
+                        max_steps=args.max_episode_steps,
+                        schedule_options=schedule_options,
+                        env_noise=args.env_noise,
+                    )
+                    for i, s in enumerate(seeds)
+                    for j in range(args.backbones)
+                ]
+            )
             # steps 4-5: eq. 4 at each branch point, eq. 5 along each owning path
             per_tree, n_bp, n_degenerate = [], 0, 0
             for t in trees:
@@ -419,18 +421,19 @@ def main(args: Args, algo: str = "bpo") -> TrainResult:
             skipped = sum(all(v == 0 for v in a.values()) for a in per_tree)
         else:
             # K = 1 ablation: independent backbones with the RLOO group baseline
-            trees = [
-                group_rollouts(
-                    run.spec,
-                    run.behaviour,
-                    args.fallback_n,
-                    seed=s,
-                    rng=run.rng(i),
-                    executor=run.executor,
-                    max_steps=args.max_episode_steps,
-                )
-                for i, s in enumerate(seeds)
-            ]
+            trees = run.rollouts(
+                [
+                    functools.partial(
+                        group_rollouts,
+                        run.spec,
+                        n=args.fallback_n,
+                        seed=s,
+                        rng=run.rng(i),
+                        max_steps=args.max_episode_steps,
+                    )
+                    for i, s in enumerate(seeds)
+                ]
+            )
             per_tree, skipped = _fallback_advantages(trees)
             n_bp = n_degenerate = 0
         batch = Batch(trees, success_threshold=args.success_threshold)

@@ -140,17 +140,26 @@ class Args(TrainArgs):
 # ------------------------------------------------------------------ rollouts
 
 
-def _tree(run: Run, args: Args, seed: int, rng: np.random.Generator, hook: Any) -> RolloutTree:
+def _tree(
+    run: Run,
+    args: Args,
+    seed: int,
+    rng: np.random.Generator,
+    hook: Any,
+    policy: Any = None,
+    *,
+    executor: Any = None,
+) -> RolloutTree:
     """Branching OPD: the main trajectory, B forks by fork score, k continuations each."""
     return grow_tree(
         run.spec,
-        run.behaviour,
+        run.behaviour if policy is None else policy,
         "fork_score",
         m=args.b,
         k=1 + args.k,  # grow_tree counts the main trajectory's own continuation
         seed=seed,
         rng=rng,
-        executor=run.executor,
+        executor=run.executor if executor is None else executor,
         keep=args.keep,
         max_steps=args.max_episode_steps,
         teacher=hook,
@@ -167,33 +176,52 @@ def _tree(run: Run, args: Args, seed: int, rng: np.random.Generator, hook: Any) 
     )
 
 
-def _single(run: Run, args: Args, seed: int, rng: np.random.Generator, hook: Any) -> RolloutTree:
+def _single(
+    run: Run,
+    args: Args,
+    seed: int,
+    rng: np.random.Generator,
+    hook: Any,
+    policy: Any = None,
+    *,
+    executor: Any = None,
+) -> RolloutTree:
     """Vanilla OPD: the main trajectory alone."""
     return grow_tree(
         run.spec,
-        run.behaviour,
+        run.behaviour if policy is None else policy,
         m=0,
         seed=seed,
         rng=rng,
-        executor=run.executor,
+        executor=run.executor if executor is None else executor,
         max_steps=args.max_episode_steps,
     )
 
 
-def _multi(run: Run, args: Args, seed: int, rng: np.random.Generator, hook: Any) -> RolloutTree:
+def _multi(
+    run: Run,
+    args: Args,
+    seed: int,
+    rng: np.random.Generator,
+    hook: Any,
+    policy: Any = None,
+    *,
+    executor: Any = None,
+) -> RolloutTree:
     """Multi-rollout OPD: n independent trajectories."""
     return group_rollouts(
         run.spec,
-        run.behaviour,
+        run.behaviour if policy is None else policy,
         args.n,
         seed=seed,
         rng=rng,
-        executor=run.executor,
+        executor=run.executor if executor is None else executor,
         max_steps=args.max_episode_steps,
     )
 
 
-#: rollout mode -> ``(run, args, seed, rng, teacher_hook) -> tree``.
+#: rollout mode -> ``(run, args, seed, rng, teacher_hook, policy=None, executor=None) -> tree``
+#: (policy and executor default to the run's; :meth:`Run.rollouts` passes batched ones).
 ROLLOUTS: dict[str, Callable[..., RolloutTree]] = {
     "tree": _tree,
     "single": _single,
@@ -328,10 +356,13 @@ def main(args: Args, algo: str = "branch_opd") -> TrainResult:
     detectors = DETECTOR_SETS[args.pbr](run) if run.kind.name == "generate" else []
     for _ in run.loop():
         # steps 1-4: main trajectory, forks, k continuations (or a baseline's rollouts)
-        trees = [
-            ROLLOUTS[args.rollouts](run, args, s, run.rng(i), hook)
-            for i, s in enumerate(run.prompt_seeds())
-        ]
+        # (all prompts' trees in lockstep: one batched policy call per turn)
+        trees = run.rollouts(
+            [
+                functools.partial(ROLLOUTS[args.rollouts], run, args, s, run.rng(i), hook)
+                for i, s in enumerate(run.prompt_seeds())
+            ]
+        )
         batch = Batch(trees, success_threshold=args.success_threshold)
         run.frozen_logprobs(teacher, batch, "teacher_logp")  # the teacher scores every token
         _constraints(run, batch, detectors)

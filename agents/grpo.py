@@ -128,18 +128,20 @@ def main(args: Args, algo: str | None = None) -> TrainResult:
     run = Run(args, algo, needs_ref=args.beta > 0)
     for _ in run.loop():
         # 1. N independent rollouts per prompt
-        trees = [
-            group_rollouts(
-                run.spec,
-                run.behaviour,
-                args.group_size,
-                seed=s,
-                rng=run.rng(i),
-                executor=run.executor,
-                max_steps=args.max_episode_steps,
-            )
-            for i, s in enumerate(run.prompt_seeds())
-        ]
+        # (all prompts' groups in lockstep: one batched policy call per turn)
+        trees = run.rollouts(
+            [
+                functools.partial(
+                    group_rollouts,
+                    run.spec,
+                    n=args.group_size,
+                    seed=s,
+                    rng=run.rng(i),
+                    max_steps=args.max_episode_steps,
+                )
+                for i, s in enumerate(run.prompt_seeds())
+            ]
+        )
         batch = Batch(trees, success_threshold=args.success_threshold)
         # 2. group baseline over the N returns of each prompt
         adv, degenerate = group_advantages(args, trees)

@@ -40,8 +40,9 @@ class TrainArgs:
     env_kwargs: dict[str, Any] = dataclasses.field(default_factory=dict)
     """Keyword arguments of ``gym.make`` (e.g. ``{"depth": 3, "reward_kind": "bernoulli"}``)."""
     model: str = "tiny"
-    """``tiny`` (random Qwen2, offline), ``smollm2`` (SmolLM2-135M-Instruct) or a model
-    folder (``save_pretrained``; an SFT checkpoint)."""
+    """``tiny`` (random Qwen2, offline), ``smollm2`` (SmolLM2-135M-Instruct), a Hugging Face
+    Hub id read from the local Hub cache, never downloaded (``Qwen/Qwen2.5-7B-Instruct``,
+    ``org/name@revision``), or a model folder (``save_pretrained``; an SFT checkpoint)."""
     policy: str = "auto"
     """``generate`` (free generation, parsed ReAct replies), ``scoring`` (softmax over the
     admissible actions' sequence log-probs, for tiny models) or ``auto`` (scoring for the
@@ -134,11 +135,36 @@ class TrainArgs:
     """torch CPU threads (one is fastest for tiny models on a shared CPU)."""
     executor: str = "inprocess"
     """Where sandboxes run: ``inprocess``, ``thread``, ``process`` or ``ray``."""
+    executor_workers: int = 4
+    """Threads (``thread``), worker processes (``process``) or actors (``ray``) of the
+    executor: how many env calls of a merged batch run at once (``inprocess``: one)."""
+    batch_rollouts: bool = True
+    """Grow the step's trees (groups) in lockstep (:mod:`branchgym.batch_rollout`): one
+    policy call per turn for every prompt's backbone and every branch point's siblings,
+    and one executor call per kind for all their envs. False grows them one after another
+    (the same trees; docs/engine.md, Batched rollouts)."""
     timeout: float = 600.0
     """Seconds one sandbox call (reset, step, snapshot, restore) may take; a call past it
     ends that rollout, recorded as an error (the executor's per-call timeout)."""
     progress: bool = True
     """Show a tqdm progress bar."""
+    engine: str = "hf"
+    """Generation engine: ``hf`` (transformers, in this process) or ``vllm`` (a vLLM worker
+    process, prefix caching on, a branch point's siblings as one request; the weights are
+    synced into it after every update; docs/engine.md, Training with vLLM)."""
+    vllm_python: str | None = None
+    """Python of the environment with vLLM for ``engine=vllm`` (default: this one when it
+    imports vllm, else the project's ``.venv-vllm/bin/python``)."""
+    vllm_options: dict[str, Any] = dataclasses.field(default_factory=dict)
+    """Keyword arguments of ``vllm.LLM`` for ``engine=vllm`` (``max_model_len``,
+    ``gpu_memory_utilization``, ``dtype``...)."""
+    vllm_logprobs: str = "recompute"
+    """With ``engine=vllm``: ``recompute`` (the trainer recomputes the behaviour log-probs
+    of the sampled tokens; the PPO ratio starts at exactly 1) or ``tis`` (the same, and each
+    token's advantage is weighted by the truncated importance weight ``min(pi_trainer /
+    mu_vllm, tis_cap)``). Either way ``vllm/ratio_absdev`` logs the mismatch each step."""
+    tis_cap: float = 2.0
+    """Cap C of the truncated importance weight (``vllm_logprobs=tis``)."""
     distributed: str = "auto"
     """Data parallel over torch.distributed (:mod:`~branchgym.agents.distributed`):
     ``auto`` (on when launched by ``torchrun`` with ``WORLD_SIZE > 1``: each rank grows its
@@ -163,6 +189,12 @@ class TrainArgs:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:
                 raise TrainingConfigError(f"{name} must be an integer >= 0; got {value!r}.")
+        require(
+            isinstance(self.executor_workers, int)
+            and not isinstance(self.executor_workers, bool)
+            and self.executor_workers >= 1,
+            f"executor_workers must be an integer >= 1; got {self.executor_workers!r}.",
+        )
         for name in ("lr", "timeout"):
             value = getattr(self, name)
             ok = isinstance(value, int | float) and not isinstance(value, bool)
@@ -205,6 +237,18 @@ class TrainArgs:
                 "lora_targets must name modules, e.g. q_proj,v_proj.",
             )
         require_one_of("distributed", self.distributed, ("auto", "off", "ddp"))
+        require_one_of("engine", self.engine, ("hf", "vllm"))
+        require_one_of("vllm_logprobs", self.vllm_logprobs, ("recompute", "tis"))
+        require(
+            isinstance(self.tis_cap, int | float)
+            and math.isfinite(self.tis_cap)
+            and self.tis_cap >= 1,
+            f"tis_cap must be a finite number >= 1; got {self.tis_cap!r}.",
+        )
+        require(
+            isinstance(self.vllm_options, dict),
+            f"vllm_options must be a dict of vllm.LLM keywords; got {self.vllm_options!r}.",
+        )
         if not isinstance(self.env_kwargs, dict):
             raise TrainingConfigError(
                 f"env_kwargs must be a dict of gym.make keywords; got {self.env_kwargs!r}."

@@ -106,6 +106,7 @@ from branchgym.agents.rows import (
     token_weight,
 )
 
+from branchgym.batch_rollout import run_batched
 from branchgym.error import CheckpointError, DependencyMissingError, TrainingConfigError
 from branchgym.executors import EnvRecipe, make_executor
 
@@ -266,6 +267,10 @@ class Run:
             threads=args.threads,
         )
         self.model = self.engine.model
+        if args.engine == "vllm":  # sampling in a vLLM worker, synced after updates
+            from branchgym.agents.vllm_training import start_worker
+
+            self.engine = start_worker(self)
         name = args.policy
         if name == "auto":
             name = "scoring" if args.model == "tiny" else "generate"
@@ -274,7 +279,8 @@ class Run:
         self.behaviour = _Autocast(self.policy, self.autocast) if self.bf16 else self.policy
         self.spec = EnvRecipe(args.env_id, self._env_kwargs(args.env_kwargs))
         self._check_env()
-        self.executor = make_executor(args.executor, timeout=args.timeout)
+        sized = {} if args.executor == "inprocess" else {"n_workers": args.executor_workers}
+        self.executor = make_executor(args.executor, timeout=args.timeout, **sized)
         params = [p for p in self.model.parameters() if p.requires_grad]
         self.optimizer = torch.optim.AdamW(
             params, lr=args.lr, betas=tuple(args.adam_betas), weight_decay=args.weight_decay
@@ -413,6 +419,18 @@ class Run:
         share = self.dp.share(len(seeds))
         return seeds[share.start : share.stop]
 
+    def rollouts(self, jobs: Sequence[Callable[..., Any]]) -> list[Any]:
+        """Run this step's rollout jobs with the behaviour policy and the run's executor.
+
+        A job is ``job(policy, executor=executor)`` (a ``functools.partial`` of
+        ``grow_tree`` or ``group_rollouts`` without its policy). With ``batch_rollouts``
+        the jobs grow in lockstep (:func:`branchgym.batch_rollout.run_batched`: one policy
+        call per turn for all of them); otherwise one after another. Same trees either way.
+        """
+        if self.args.batch_rollouts and len(jobs) > 1:
+            return run_batched(list(jobs), self.behaviour, self.executor)
+        return [job(self.behaviour, executor=self.executor) for job in jobs]
+
     # ---------------------------------------------------------------- log-probs
     def logprobs(
         self,
@@ -530,6 +548,10 @@ class Run:
         **kwargs: Any,
     ) -> dict[str, float]:
         """``updates_per_batch`` updates over the batch's mini-batches; metrics averaged."""
+        if self.args.engine == "vllm":  # vLLM's log-probs -> the trainer's (vllm_training)
+            from branchgym.agents.vllm_training import behaviour_correction
+
+            self.log(behaviour_correction(self, batch))
         out: dict[str, list[float]] = {}
         for rows in batch.minibatches(self.args.updates_per_batch):
             for k, v in self.update(batch, rows, loss_fn, **kwargs).items():
@@ -793,6 +815,10 @@ class Run:
         if self._metrics is not None:
             self._metrics.close()
         self.executor.shutdown()
+        if self.args.engine == "vllm":
+            from branchgym.agents.vllm_training import stop_worker
+
+            stop_worker(self.engine)
         if self.dp.is_main:
             plot_curves(self.history, self.out_dir / "curves.png", title=self.algo)
         self.dp.close()

@@ -1,0 +1,114 @@
+"""Batched generation and batched trees on the tiny model: the same samples as one at a time."""
+
+import gymnasium as gym
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("transformers")
+
+from branchgym.agents.engines.hf import HFEngine  # noqa: E402
+from branchgym.agents.models import load_model, tiny_qwen2  # noqa: E402
+from branchgym.agents.policy import LLMPolicy  # noqa: E402
+from branchgym.agents.train import train  # noqa: E402
+
+import branchgym  # noqa: E402
+from branchgym.batch_rollout import BatchStats, grow_trees_batched  # noqa: E402
+from branchgym.error import EngineError  # noqa: E402
+from branchgym.rollout import grow_tree, spec_of  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    return tiny_qwen2()
+
+
+def engine(tiny, **kw):
+    model, tok = tiny
+    # every 9th token stops a reply, so rows end at different steps and leave the batch
+    stops = list(range(0, len(tok), 9))
+    return HFEngine(model, tok, max_new_tokens=10, stop_token_ids=stops, **kw)
+
+
+def test_batched_decoding_matches_one_prompt_at_a_time(tiny):
+    eng = engine(tiny)
+    rng = np.random.default_rng(0)
+    vocab = len(tiny[1])
+    prompts = [rng.integers(10, vocab - 10, size=n).tolist() for n in (5, 23, 9, 14)]
+    counts, prefixes, seeds = [2, 1, 3, 0], [[], [33, 44], [], [7]], [11, 12, 13, 14]
+    batched = eng.generate(prompts, counts, prefixes=prefixes, seeds=seeds)
+    eng.clear_cache()
+    alone = [
+        eng.generate([p], k, prefixes=[f], seeds=[s])[0]
+        for p, k, f, s in zip(prompts, counts, prefixes, seeds, strict=True)
+    ]
+    serial = eng.generate(prompts, counts, prefixes=prefixes, seeds=seeds, batch_prompts=False)
+    lengths = set()
+    for b, a, s in zip(batched, alone, serial, strict=True):
+        assert len(b) == len(a) == len(s)
+        for x, y, z in zip(b, a, s, strict=True):
+            assert x.token_ids.tolist() == y.token_ids.tolist() == z.token_ids.tolist()
+            assert x.finish_reason == y.finish_reason and x.prefix_len == y.prefix_len
+            for field in ("logprobs", "entropies", "entropies_top20"):
+                np.testing.assert_allclose(getattr(x, field), getattr(y, field), atol=1e-5)
+                np.testing.assert_allclose(getattr(y, field), getattr(z, field), atol=1e-5)
+            lengths.add(len(x.token_ids) - x.prefix_len)
+    assert len(lengths) > 1, "rows should stop at different steps"
+    with pytest.raises(EngineError, match="one each"):
+        eng.generate(prompts, 1, seeds=[1])
+
+
+@pytest.mark.slow
+def test_batched_llm_trees_match_serial_trees(tiny):
+    env = gym.make("branchgym/TextTreeMDP-v0", max_episode_steps=2)
+    recipe = spec_of(env)
+    kw = {"m": 1, "k": 3, "schedule_options": {"min_gap": 4}}
+    seeds = [0, 1, 2]
+    serial = [
+        grow_tree(recipe, LLMPolicy(engine(tiny), max_new_tokens=6), "entropy", seed=s, rng=s, **kw)
+        for s in seeds
+    ]
+    stats = BatchStats()
+    pol = LLMPolicy(engine(tiny), max_new_tokens=6)
+    batched = grow_trees_batched(recipe, pol, seeds, "entropy", stats=stats, **kw)
+    assert branchgym.live_snapshots().count == 0
+    for a, b in zip(serial, batched, strict=True):
+        assert [(n.parent, n.sibling, n.action, n.reward) for n in a] == [
+            (n.parent, n.sibling, n.action, n.reward) for n in b
+        ]
+        for x, y in zip(a, b, strict=True):
+            assert x.token_ids.tolist() == y.token_ids.tolist()
+            np.testing.assert_allclose(x.logprobs, y.logprobs, atol=1e-4)
+            np.testing.assert_allclose(x.entropies, y.entropies, atol=1e-4)
+    assert stats.requests > stats.policy_calls  # the trees' requests shared engine calls
+
+
+@pytest.mark.slow
+def test_training_with_batched_rollouts_equals_serial(tmp_path):
+    ci = {
+        "env_kwargs": {"depth": 3, "n_actions": 3, "reward_kind": "bernoulli"},
+        "model": "tiny",
+        "policy": "scoring",
+        "prompts_per_step": 3,
+        "steps": 2,
+        "lr": 1e-4,
+        "threads": 1,
+        "progress": False,
+        "eval_episodes": 0,
+    }
+    serial = train("bpo", out_dir=str(tmp_path / "a"), batch_rollouts=False, **ci)
+    batched = train(
+        "bpo",
+        out_dir=str(tmp_path / "b"),
+        batch_rollouts=True,
+        executor="thread",
+        executor_workers=2,
+        **ci,
+    )
+    keys = ("charts/return", "charts/rollouts", "losses/policy_loss", "tokens/generated")
+    for h1, h2 in zip(serial.history, batched.history, strict=True):
+        assert {k: h1.get(k) for k in keys} == {k: h2.get(k) for k in keys}
+    a, _ = load_model(serial.checkpoint)
+    b, _ = load_model(batched.checkpoint)
+    for (name, p), q in zip(a.named_parameters(), b.parameters(), strict=True):
+        assert torch.equal(p, q), name
