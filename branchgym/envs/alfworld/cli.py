@@ -2,7 +2,8 @@
 
 branchgym alfworld generate --n 50 --seed 1 --out games/      ALFWorld .tw-pddl game folders
 branchgym alfworld generate --n 50 --out train.jsonl.gz       a problem file for the env
-branchgym alfworld solve in_distribution                      the expert on every problem
+branchgym alfworld solve in_distribution                      the planner expert on every problem
+branchgym alfworld solve thor_unseen --expert handcoded        the hand-coded (searching) expert
 branchgym alfworld sets --check                               rebuild the shipped sets, compare
 branchgym alfworld stats thor_seen thor_unseen                rooms, plans, task mix, random agent
 """
@@ -31,9 +32,18 @@ def configure(parser: argparse.ArgumentParser) -> None:
         required=True,
         help="a .jsonl/.jsonl.gz problem file, or a folder for ALFWorld game.tw-pddl files",
     )
-    solve = sub.add_parser("solve", help="play every problem with the planner expert")
+    solve = sub.add_parser("solve", help="play every problem with an expert")
     solve.add_argument("problems", nargs="?", default="in_distribution", help="set name or path")
     solve.add_argument("--limit", type=int, default=None, help="only the first N problems")
+    solve.add_argument(
+        "--expert",
+        choices=("planner", "handcoded"),
+        default="planner",
+        help="planner: fast-downward from the true state; handcoded: searches from observations",
+    )
+    solve.add_argument(
+        "--max-steps", type=int, default=None, help="step budget (planner 100, handcoded 50)"
+    )
     sets = sub.add_parser("sets", help="rebuild the shipped problem sets from their seed")
     sets.add_argument("--out", default=None, help="write the rebuilt sets to this folder")
     sets.add_argument("--check", action="store_true", help="exit 1 unless equal to the shipped")
@@ -47,6 +57,11 @@ def configure(parser: argparse.ArgumentParser) -> None:
     )
     stats.add_argument(
         "--random-episodes", type=int, default=50, help="random-agent episodes per set (40 steps)"
+    )
+    stats.add_argument(
+        "--handcoded",
+        action="store_true",
+        help="also play every problem with the hand-coded expert (50 steps): success, steps",
     )
     stats.add_argument("--seed", type=int, default=0)
 
@@ -82,14 +97,20 @@ def _solve(args: argparse.Namespace) -> int:
 
     from branchgym.bench.common import markdown_table
     from branchgym.envs.alfworld.expert import solve
+    from branchgym.envs.alfworld.handcoded import play
 
-    env = gym.make("branchgym/ALFWorld-v0", problems=args.problems, max_episode_steps=100)
+    handcoded = args.expert == "handcoded"
+    max_steps = args.max_steps or (50 if handcoded else 100)
+    env = gym.make("branchgym/ALFWorld-v0", problems=args.problems, max_episode_steps=max_steps)
     problems = env.unwrapped.problems[: args.limit]
     by_type: dict[str, list[tuple[bool, int]]] = collections.defaultdict(list)
     failed = []
     try:
-        for i, p in enumerate(tqdm(problems, desc="planner expert", unit="game")):
-            result = solve(env, i)
+        for i, p in enumerate(tqdm(problems, desc=f"{args.expert} expert", unit="game")):
+            if handcoded:
+                result = play(env, i, max_steps=max_steps)
+            else:
+                result = solve(env, i, max_steps=max_steps)
             by_type[p.task_type].append((result.won, result.steps))
             if not result.won:
                 failed.append(p.name)
@@ -153,6 +174,24 @@ def _random_success(problems: str, episodes: int, seed: int) -> float:
     return won / max(episodes, 1)
 
 
+def _handcoded_success(problems: str) -> tuple[float, float]:
+    """Success of the hand-coded expert on every problem of a set (50 steps), mean steps won."""
+    import gymnasium as gym
+    from tqdm import tqdm
+
+    from branchgym.envs.alfworld.handcoded import play
+
+    env = gym.make("branchgym/ALFWorld-v0", problems=problems, max_episode_steps=50)
+    results = []
+    try:
+        for i in tqdm(range(len(env.unwrapped.problems)), desc=f"hand-coded on {problems}"):
+            results.append(play(env, i, max_steps=50))
+    finally:
+        env.close()
+    won = [r.steps for r in results if r.won]
+    return len(won) / max(len(results), 1), sum(won) / max(len(won), 1)
+
+
 def _stats(args: argparse.Namespace) -> int:
     from branchgym.bench.common import markdown_table
     from branchgym.envs.alfworld import floorplans
@@ -178,7 +217,11 @@ def _stats(args: argparse.Namespace) -> int:
         mix = "/".join(str(n) for n in st["task_mix"])
         plan = _span(st["expert_plan_length"])
         label = f"{name}: {st['problems']} problems"
-        rows.append([label, *shipped_rooms, plan, f"{mix}; {success}"])
+        extra = []
+        if args.handcoded:
+            rate, steps = _handcoded_success(name)
+            extra = [f"{rate:.2f} ({steps:.1f} steps)"]
+        rows.append([label, *shipped_rooms, plan, f"{mix}; {success}", *extra])
     print(
         markdown_table(
             [
@@ -186,8 +229,9 @@ def _stats(args: argparse.Namespace) -> int:
                 *(f"receptacles, {r}" for r in rooms),
                 "expert plan length",
                 f"task mix ({', '.join(t.split('_')[0] for t in TASK_TYPES)}); random success",
+                *(["hand-coded expert success (mean steps when won)"] if args.handcoded else []),
             ],
-            rows,
+            [r if len(r) == 7 + args.handcoded else [*r, ""] for r in rows],
         )
     )
     return 0
