@@ -30,8 +30,12 @@ def module_name(path: pathlib.Path) -> str:
 def source_files(*folders: str):
     for folder in folders:
         for path in sorted((ROOT / folder).rglob("*.py")):
-            # generated_repos holds the SWE-bench task repositories: data, not our modules
-            if "__pycache__" not in path.parts and "generated_repos" not in path.parts:
+            # generated_repos and realistic_repos hold the SWE-bench task repositories:
+            # data, not our modules
+            if "__pycache__" not in path.parts and not {
+                "generated_repos",
+                "realistic_repos",
+            } & set(path.parts):
                 yield path
 
 

@@ -27,8 +27,8 @@ def test_every_package_folder_is_declared():
         assert package_dir[name] == folder
         for init in (ROOT / folder).rglob("__init__.py"):
             rel = init.parent.relative_to(ROOT / folder)
-            if "__pycache__" in rel.parts or "generated_repos" in rel.parts:
-                continue  # generated_repos: the SWE-bench task repositories, package data
+            if {"__pycache__", "generated_repos", "realistic_repos"} & set(rel.parts):
+                continue  # *_repos: the SWE-bench task repositories, package data
             dotted = ".".join([name, *rel.parts])
             assert dotted in packages, f"{dotted} missing from [tool.setuptools] packages"
 
@@ -61,6 +61,9 @@ def test_built_wheel_installs_in_a_throwaway_venv(tmp_path):
     assert "branchgym/wrappers/__init__.py" in names and "branchgym/agents/__init__.py" in names
     data = "branchgym/envs/swebench/generated_repos/"
     assert data + "tasks.json" in names and data + "textstats/base/textstats/core.py" in names
+    real = "branchgym/envs/swebench/realistic_repos/"
+    assert real + "tasks.json" in names and real + "six/upstream/LICENSE" in names
+    assert real + "cachetools/upstream/src/cachetools/__init__.py" in names
     venv = tmp_path / "venv"
     # The dependencies come from this interpreter's site-packages; the wheel itself is
     # installed into the throwaway venv only, so the imports below can only succeed

@@ -37,6 +37,14 @@ __all__ = [
     "generated_tasks",
     "generated_repos",
     "load_task_defs",
+    "REALISTIC_DIR",
+    "RealisticTaskDef",
+    "load_realistic_defs",
+    "build_realistic_tasks",
+    "realistic_tasks",
+    "realistic_repos",
+    "TASK_SETS",
+    "task_set",
 ]
 
 #: Bump when the build procedure changes (the cache key includes it).
@@ -275,3 +283,256 @@ def generated_tasks() -> list[SWEBenchTask]:
 def generated_repos() -> Path:
     """The ``repos_dir`` holding the generated repositories."""
     return build_generated_tasks().parent / "repos"
+
+
+# ------------------------------------------------------------------ realistic tasks
+
+#: The realistic task set's data (the output of ``scripts/build_swebench_tasks.py``): per
+#: project ``<project>/upstream/`` (its PyPI sdist, trimmed, licence included) and
+#: ``project.json`` (repository, version, licence, source roots), and per task
+#: ``<project>/<n>/`` with ``base/`` (the files the base commit changes: the broken
+#: function, the held-back tests removed), ``issue.md`` and ``task.json`` (gold and wrong
+#: fixes as ``[path, old, new]`` replacements, the test files, FAIL_TO_PASS and
+#: PASS_TO_PASS as computed by running the suite); ``tasks.json`` gives their order.
+REALISTIC_DIR = Path(__file__).with_name("realistic_repos")
+
+#: How the realistic tasks run their tests (upstream's pytest command; test files appended).
+REALISTIC_TEST_CMD = f"PYTEST_DISABLE_PLUGIN_AUTOLOAD=1 {DEFAULT_TEST_CMD}"
+
+
+@dataclasses.dataclass(frozen=True)
+class RealisticTaskDef:
+    """One realistic task: a real project with one of its functions broken.
+
+    Attributes:
+        project: Folder name of the project (``six``).
+        number: The task's number within the project (``owner__name-<number>``).
+        repo: ``owner/name`` of the upstream repository.
+        version: The project's version (``major.minor``, as SWE-bench keys environments).
+        license: The project's licence (its text ships in ``upstream/``).
+        upstream: The project's files (the sdist, trimmed).
+        base: The files the base commit changes (their full text).
+        issue: The problem statement.
+        fix: ``(path, old, new)`` replacements of the gold patch (on the base).
+        wrong: Replacements of a plausible but wrong fix.
+        test_files: The test files of the test patch (upstream's versions).
+        fail_to_pass: Tests that fail at the base commit and pass after the fix.
+        pass_to_pass: Tests that pass before and after.
+        created_at: The task's date (SWE-bench's ``created_at``).
+        hints_text: Hints (empty unless the spec gives some).
+    """
+
+    project: str
+    number: int
+    repo: str
+    version: str
+    license: str
+    upstream: dict[str, str]
+    base: dict[str, str]
+    issue: str
+    fix: tuple[tuple[str, str, str], ...]
+    wrong: tuple[tuple[str, str, str], ...]
+    test_files: tuple[str, ...]
+    fail_to_pass: tuple[str, ...]
+    pass_to_pass: tuple[str, ...]
+    created_at: str
+    hints_text: str = ""
+
+    @property
+    def instance_id(self) -> str:
+        """``owner__name-<number>``, SWE-bench's form."""
+        return f"{self.repo.replace('/', '__')}-{self.number}"
+
+    def base_files(self) -> dict[str, str]:
+        """The repository at the base commit."""
+        return {**self.upstream, **self.base}
+
+    def fixed_files(self, which: str = "fix") -> dict[str, str]:
+        """The files the gold (or ``wrong``) fix changes, as they become."""
+        files = self.base_files()
+        out: dict[str, str] = {}
+        for path, old, new in getattr(self, which):
+            text = out.get(path, files[path])
+            if old not in text:
+                raise DataError(f"{self.instance_id}: fix text not found in {path}: {old!r}")
+            out[path] = text.replace(old, new, 1)
+        return out
+
+    @property
+    def fix_command(self) -> str:
+        """One shell line that applies the gold fix (from any working directory)."""
+        return TaskDef.fix_command.fget(self)  # type: ignore[attr-defined]
+
+
+def load_realistic_defs(
+    folder: str | os.PathLike[str] = REALISTIC_DIR,
+) -> tuple[RealisticTaskDef, ...]:
+    """Read the realistic task set from ``folder`` (the shipped one by default).
+
+    Raises:
+        DataError: a file is missing or malformed; the message names it.
+    """
+    folder = Path(folder)
+    try:
+        order = json.loads((folder / "tasks.json").read_text())["order"]
+    except (OSError, ValueError, KeyError) as exc:
+        raise DataError(
+            f"{folder}/tasks.json must list the tasks as {{'order': ['project/n', ...]}}: {exc}"
+        ) from exc
+    projects: dict[str, tuple[dict, dict[str, str]]] = {}
+    defs = []
+    for entry in order:
+        name, _, number = entry.partition("/")
+        d = folder / name / number
+        try:
+            if name not in projects:
+                info = json.loads((folder / name / "project.json").read_text())
+                projects[name] = (info, _read_tree(folder / name / "upstream"))
+            info, upstream = projects[name]
+            meta = json.loads((d / "task.json").read_text())
+            with open(d / "issue.md", encoding="utf-8", newline="") as f:
+                issue = f.read()
+            defs.append(
+                RealisticTaskDef(
+                    project=name,
+                    number=int(number),
+                    repo=info["repo"],
+                    version=info["version"],
+                    license=info["license"],
+                    upstream=upstream,
+                    base=_read_tree(d / "base"),
+                    issue=issue,
+                    fix=tuple(tuple(r) for r in meta["fix"]),
+                    wrong=tuple(tuple(r) for r in meta["wrong"]),
+                    test_files=tuple(meta["test_files"]),
+                    fail_to_pass=tuple(meta["fail_to_pass"]),
+                    pass_to_pass=tuple(meta["pass_to_pass"]),
+                    created_at=meta["created_at"],
+                    hints_text=meta.get("hints_text", ""),
+                )
+            )
+        except (OSError, ValueError, KeyError) as exc:
+            raise DataError(
+                f"realistic task {entry!r} in {folder} is incomplete ({exc}); it needs "
+                f"{name}/project.json, {name}/upstream/, and {entry}/ with issue.md, base/ and "
+                "task.json (fix, wrong, test_files, fail_to_pass, pass_to_pass, created_at)"
+            ) from exc
+    return tuple(defs)
+
+
+def _realistic_fingerprint(defs: tuple[RealisticTaskDef, ...]) -> str:
+    h = hashlib.sha256(json.dumps([FORMAT_VERSION, REALISTIC_TEST_CMD]).encode())
+    for td in defs:
+        h.update(json.dumps(dataclasses.astuple(td), sort_keys=True).encode())
+    return h.hexdigest()[:12]
+
+
+def _build_realistic(defs: tuple[RealisticTaskDef, ...], repos: Path) -> list[dict]:
+    records = []
+    made: set[str] = set()
+    for td in defs:
+        repo = repos / td.repo.replace("/", "__")
+        if td.repo not in made:
+            repo.mkdir(parents=True)
+            _git(repo, "init", "-q", "-b", "main")
+            _write(repo, {".gitignore": _GITIGNORE, **td.upstream})
+            _git(repo, "add", "-A")
+            _git(repo, "commit", "-q", "-m", f"{td.project} {td.version} (upstream sdist)")
+            made.add(td.repo)
+        # Each base commit is a root commit: its history must not hold the working
+        # function (upstream's tree) the agent could read the fix from.
+        _git(repo, "checkout", "-q", "--orphan", f"task-{td.number}", "main")
+        _git(repo, "rm", "-rq", "--cached", ".")
+        _write(repo, {".gitignore": _GITIGNORE, **td.base_files()})
+        _git(repo, "add", "-A")
+        _git(repo, "commit", "-q", "-m", f"{td.project} {td.version}")
+        base = _git(repo, "rev-parse", "HEAD").strip()
+        upstream_tests = {p: td.upstream[p] for p in td.test_files}
+        task = SWEBenchTask(
+            instance_id=td.instance_id,
+            repo=td.repo,
+            base_commit=base,
+            problem_statement=td.issue,
+            patch=_diff_of(repo, td.fixed_files("fix")),
+            test_patch=_diff_of(repo, upstream_tests),
+            fail_to_pass=td.fail_to_pass,
+            pass_to_pass=td.pass_to_pass,
+            version=td.version,
+            environment_setup_commit=base,
+            test_cmd=REALISTIC_TEST_CMD,
+            hints_text=td.hints_text,
+            extra={
+                "created_at": td.created_at,
+                "branchgym_wrong_patch": _diff_of(repo, td.fixed_files("wrong")),
+                "branchgym_fix_command": td.fix_command,
+                "branchgym_license": td.license,
+            },
+        )
+        records.append(task.to_record())
+        _git(repo, "checkout", "-q", "-f", "main")
+        _git(repo, "clean", "-qfdx")
+    return records
+
+
+def build_realistic_tasks(dest: str | os.PathLike[str] | None = None) -> Path:
+    """Build the realistic task set's repositories and ``tasks.jsonl`` (once; cached).
+
+    One git repository per project (``repos/owner__name``, upstream's sources on
+    ``main``), one root commit per task (its base commit, branch ``task-<n>``).
+
+    Args:
+        dest: Folder to build in (default: ``<cache>/swebench/realistic-<fingerprint>``).
+
+    Returns:
+        The path of ``tasks.jsonl``; the repositories are in ``repos/`` beside it.
+    """
+    defs = load_realistic_defs()
+    root = (
+        Path(dest)
+        if dest
+        else cache_root() / "swebench" / f"realistic-{_realistic_fingerprint(defs)}"
+    )
+    tasks_file = root / "tasks.jsonl"
+    if tasks_file.exists():
+        return tasks_file
+    if shutil.which("git") is None:
+        raise DataError("the realistic SWE-bench tasks need git; install it (apt-get install git)")
+    root.parent.mkdir(parents=True, exist_ok=True)
+    with open(f"{root}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # concurrent test processes build it once
+        if tasks_file.exists():
+            return tasks_file
+        tmp = root.with_name(f"{root.name}.tmp-{os.getpid()}")
+        shutil.rmtree(tmp, ignore_errors=True)
+        records = _build_realistic(defs, tmp / "repos")
+        (tmp / "tasks.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+        shutil.rmtree(root, ignore_errors=True)
+        os.rename(tmp, root)
+    return tasks_file
+
+
+def realistic_tasks() -> list[SWEBenchTask]:
+    """The realistic task set (built on first use)."""
+    return load_tasks(build_realistic_tasks())
+
+
+def realistic_repos() -> Path:
+    """The ``repos_dir`` holding the realistic task set's repositories."""
+    return build_realistic_tasks().parent / "repos"
+
+
+#: The shipped task sets by name: each gives the path of its ``tasks.jsonl`` (the
+#: repositories are in ``repos/`` beside it). ``SWEBenchEnv(tasks="realistic")`` and the
+#: benchmarks' ``--task-set`` pick one.
+TASK_SETS = {"generated": build_generated_tasks, "realistic": build_realistic_tasks}
+
+
+def task_set(name: str) -> Path:
+    """The ``tasks.jsonl`` of the shipped task set ``name`` (built on first use).
+
+    Raises:
+        DataError: no such set; the message lists them.
+    """
+    if name not in TASK_SETS:
+        raise DataError(f"no task set {name!r}; the shipped sets are {', '.join(TASK_SETS)}")
+    return TASK_SETS[name]()
