@@ -643,7 +643,8 @@ class DockerBackend:
             the daemon has it (see :func:`swebench_image_names`), else the base image
             plus the task's checkout; ``swebench``: SWE-bench's image only;
             ``branchgym``: always the base image plus the checkout; anything else: an
-            image name or ``{instance_id}`` template. Nothing is pulled.
+            image name or a template with ``{instance_id}`` or ``{image}`` (the published
+            name, e.g. ``mirror:5000/{image}``). Nothing is pulled.
         max_layers: Flatten a snapshot image once it has this many layers.
         limits: Resource limits (per container; see the module docstring).
         user: ``uid:gid`` the agent's commands run as; default ``1000:1000`` in
@@ -811,7 +812,11 @@ class DockerBackend:
                     raise
                 return None
         else:
-            names = [self.image.format(instance_id=task.instance_id)]
+            fields = {"instance_id": task.instance_id}
+            if "{image}" in self.image:  # e.g. a registry mirror: "mirror:5000/{image}"
+                published = swebench_image_names(dataclasses.replace(task, extra={}))[0]
+                fields["image"] = published
+            names = [self.image.format(**fields)]
         for name in names:
             try:
                 return self.client.images.get(name).id, name

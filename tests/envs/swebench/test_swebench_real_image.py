@@ -8,6 +8,7 @@ It is kept between runs and rebuilt only when its inputs change.
 """
 
 import dataclasses
+import re
 import shutil
 import tempfile
 from pathlib import Path
@@ -184,3 +185,35 @@ def test_check_env_on_a_real_image(fixture_task):
     )
     assert report.ok, str(report)
     assert owned() == {"containers": [], "images": []}
+
+
+@pytest.mark.docker
+def test_registry_mirror_template(fixture_task):
+    from branchgym.envs.swebench.docker_backend import docker_client, swebench_image_names
+
+    client = docker_client()
+    published = swebench_image_names(fixture_task)[0]
+    mirror = f"mirror.invalid:5000/{published}"
+    repo, _, tag = mirror.rpartition(":")
+
+    def make():
+        template = "mirror.invalid:5000/{image}"
+        return gym.make(ENV_ID, tasks=[fixture_task], backend="docker", docker_image=template)
+
+    env = make()
+    try:
+        with pytest.raises(SandboxUnavailableError, match=re.escape(repr(mirror))):
+            env.reset(options={"instance_id": fixture_task.instance_id})
+    finally:
+        env.close()
+    client.images.get(published).tag(repo, tag)  # as `docker pull` from the mirror does
+    env = make()
+    try:
+        env.reset(options={"instance_id": fixture_task.instance_id})
+        assert env.step("echo $CONDA_DEFAULT_ENV")[0] == "testbed\n"
+    finally:
+        env.close()
+        try:
+            client.images.remove(mirror)
+        except Exception:  # docker.errors.ImageNotFound: the tag failed
+            pass
