@@ -42,6 +42,7 @@ layer is a tmpfs of the disk quota. The threat model is in docs/swebench.md.
 from __future__ import annotations
 
 import atexit
+import copy
 import ctypes
 import ctypes.util
 import dataclasses
@@ -55,6 +56,7 @@ import subprocess
 import sys
 import tempfile
 import threading
+import time
 import uuid
 import weakref
 from collections.abc import Mapping, Sequence
@@ -62,6 +64,12 @@ from pathlib import Path
 
 from branchgym.envs.swebench.gitsnap import gitsnap
 from branchgym.envs.swebench.limits import Limits, cgroups, pid_alive
+from branchgym.envs.swebench.repo_env import (
+    RepoEnvironment,
+    installable,
+    repo_environment,
+    resolve_python_env,
+)
 from branchgym.envs.swebench.sandbox import (
     WORKDIR,
     ExecResult,
@@ -73,7 +81,7 @@ from branchgym.envs.swebench.sandbox import (
     run_captured,
     tree_digest,
 )
-from branchgym.envs.swebench.tasks import cache_root
+from branchgym.envs.swebench.tasks import SWEBenchTask, cache_root
 from branchgym.error import SandboxConfigError, SandboxError, SandboxUnavailableError
 
 __all__ = [
@@ -83,6 +91,7 @@ __all__ = [
     "GitSandbox",
     "overlay_support",
     "redirect_dir_support",
+    "index_support",
     "bwrap_support",
     "work_root",
     "list_local_mounts",
@@ -98,16 +107,22 @@ _libc.umount2.argtypes = (ctypes.c_char_p, ctypes.c_int)
 
 
 def _mount_overlay(
-    target: Path, lowers: tuple[str, ...], upper: Path, work: Path, redirect_dir: bool = False
+    target: Path,
+    lowers: tuple[str, ...],
+    upper: Path,
+    work: Path,
+    redirect_dir: bool = False,
+    index: bool = False,
 ) -> None:
     # metacopy off: full copy-ups, so a frozen upper layer holds every file it changed.
     # redirect_dir=on lets rename(2) move a folder of a lower layer (else EXDEV): the
     # upper layer records where it came from (an xattr the kernel follows when the layer
-    # is frozen below another; _squash_into resolves it).
+    # is frozen below another; _squash_into resolves it). index=on: a write to one name
+    # of a hard link from a lower layer copies the inode up once, for every name.
     redirect = "on" if redirect_dir else "off"
     data = (
         f"lowerdir={':'.join(lowers)},upperdir={upper},workdir={work},"
-        f"redirect_dir={redirect},metacopy=off"
+        f"redirect_dir={redirect},index={'on' if index else 'off'},metacopy=off"
     ).encode()
     if _libc.mount(b"overlay", os.fsencode(target), b"overlay", 0, data) != 0:
         err = ctypes.get_errno()
@@ -233,6 +248,50 @@ def redirect_dir_support(root: Path | None = None) -> bool:
     return _SUPPORT[key][0]
 
 
+def index_support(root: Path | None = None) -> bool:
+    """Does overlayfs here mount with ``index=on`` (hard links survive copy-up)? Cached."""
+    root = Path(root or work_root())
+    key = f"index:{root}"
+    if key not in _SUPPORT:
+        probe = root / f"probe-{os.getpid()}-{uuid.uuid4().hex[:6]}"
+        ok = False
+        try:
+            for d in ("l", "u", "w", "m"):
+                (probe / d).mkdir(parents=True)
+            (probe / "l" / "a").write_text("a")
+            os.link(probe / "l" / "a", probe / "l" / "b")
+            _mount_overlay(probe / "m", (str(probe / "l"),), probe / "u", probe / "w", index=True)
+            try:
+                with open(probe / "m" / "a", "a") as f:
+                    f.write("b")
+                ok = (probe / "m" / "b").read_text() == "ab"
+            finally:
+                _umount(probe / "m")
+        except OSError:
+            pass
+        finally:
+            shutil.rmtree(probe, ignore_errors=True)
+        _SUPPORT[key] = (ok, "")
+    return _SUPPORT[key][0]
+
+
+def _link_groups(root: str) -> list[tuple[str, ...]]:
+    """Names (relative to ``root``) that share an inode, for files with several names."""
+    groups: dict[int, list[str]] = {}
+    stack = [""]
+    while stack:
+        rel = stack.pop()
+        with os.scandir(os.path.join(root, rel)) as it:
+            for e in it:
+                r = f"{rel}/{e.name}" if rel else e.name
+                st = e.stat(follow_symlinks=False)
+                if stat.S_ISDIR(st.st_mode):
+                    stack.append(r)
+                elif stat.S_ISREG(st.st_mode) and st.st_nlink > 1:
+                    groups.setdefault(st.st_ino, []).append(r)
+    return [tuple(sorted(g)) for g in groups.values() if len(g) > 1]
+
+
 def bwrap_support() -> tuple[bool, str]:
     """Does bubblewrap run here (installed, and allowed to create namespaces)?"""
     if "bwrap" in _SUPPORT:
@@ -349,6 +408,7 @@ class _Store:
         (self.root / "trash").mkdir()
         self.reaper = _Reaper(self.root / "trash")
         self.refs: dict[str, int] = {}
+        self.links: dict[str, list[tuple[str, ...]]] = {}  # frozen layer -> hard links
         self.lock = threading.RLock()
         self._ids = itertools.count()
         self.git: _GitStore | None = None
@@ -385,6 +445,7 @@ class _Store:
                     self.refs[layer] -= 1
                     if self.refs[layer] == 0:
                         del self.refs[layer]
+                        self.links.pop(layer, None)
                         dead.append(layer)
         for layer in dead:
             self.drop_layer(layer)
@@ -531,6 +592,20 @@ class _Runner:
         self.etc_dir = etc_dir or Path(tempfile.mkdtemp(prefix="branchgym-etc-"))
         # The interpreter running branchgym (with pytest) comes first on PATH.
         self.path = f"{os.path.dirname(sys.executable)}:" + default_env()["PATH"]
+        #: Source roots (relative) put on PYTHONPATH without isolation (see for_python).
+        self.python_roots: tuple[str, ...] = ()
+
+    def for_python(self, env: RepoEnvironment) -> _Runner:
+        """This runner with a task's own environment: its venv first on PATH, bound read-only.
+
+        Without isolation there is no /testbed for the editable install to point at: the
+        repository's source roots go on PYTHONPATH instead.
+        """
+        runner = copy.copy(self)
+        runner.toolchain = list(dict.fromkeys([*self.toolchain, *env.binds]))
+        runner.path = f"{env.bin_dir}:{self.path}"
+        runner.python_roots = env.roots
+        return runner
 
     @staticmethod
     def _check_toolchain(paths: list[str]) -> list[str]:
@@ -606,6 +681,9 @@ class _Runner:
         disk_dir: Path | None = None,
     ) -> ExecResult:
         env = dict(self.default_env() if env is None else env)
+        if self.isolation == "none" and self.python_roots:
+            roots = [os.path.normpath(host_dir / r) for r in self.python_roots]
+            env["PYTHONPATH"] = os.pathsep.join(filter(None, [*roots, env.get("PYTHONPATH")]))
         group = self.cgroups.create(self.limits)
         prefix = self.limits.ulimit_prefix(memory_rlimit=group is None)
         full_before = disk_dir is not None and _nearly_full(disk_dir)
@@ -991,14 +1069,20 @@ class OverlaySandbox(_LocalSandbox):
         *,
         max_layers: int = 32,
         redirect_dir: bool = False,
+        index: bool = False,
     ) -> None:
         """Mount a fresh upper layer over ``stack`` (topmost first, checkout last).
 
         ``redirect_dir``: mount with ``redirect_dir=on`` (rename(2) of folders from
-        lower layers works; without it, EXDEV, as in Docker's overlay2).
+        lower layers works; without it, EXDEV, as in Docker's overlay2). ``index``:
+        mount with ``index=on`` and link hard links up at snapshot time, so names of one
+        inode stay one inode across snapshots (without it, a write after a snapshot
+        goes to the written name only).
         """
         super().__init__(store, runner)
         self.redirect_dir = redirect_dir
+        self.index = index
+        self._index_on = False  # the current mount has index=on
         for layer in stack:
             if "," in layer or ":" in layer:
                 raise SandboxError(f"overlay layer paths cannot contain ',' or ':': {layer}")
@@ -1035,13 +1119,29 @@ class OverlaySandbox(_LocalSandbox):
 
     def _mount(self, stack: tuple[str, ...]) -> None:
         self.store.acquire(stack)
+        # index=on only over layers with hard links: it makes the kernel refuse a
+        # frozen layer for a few ms after a command (EBUSY below), a cost only they pay.
+        index = self.index and any(layer in self.store.links for layer in stack)
         try:
-            _mount_overlay(self.merged, stack, self.upper, self.work, self.redirect_dir)
+            for wait in (0.001, 0.004, 0.016, 0.064, 0.25, 1.0, None):
+                try:
+                    _mount_overlay(
+                        self.merged, stack, self.upper, self.work, self.redirect_dir, index
+                    )
+                    break
+                except OSError as exc:
+                    # index=on refuses a lower layer still marked in use as the upper
+                    # layer of an overlay the kernel has not torn down yet (a command's
+                    # mount namespace goes away just after the command).
+                    if exc.errno != errno.EBUSY or not index or wait is None:
+                        raise
+                    time.sleep(wait)
         except OSError:
             self.store.release(stack)
             raise
         old = self.stack
         self.stack = stack
+        self._index_on = index
         self._state.update(stack=stack, mounted=True)
         self.store.release(old)
 
@@ -1055,7 +1155,9 @@ class OverlaySandbox(_LocalSandbox):
 
     def _fresh_upper(self) -> None:
         """Throw the upper layer away: unmount its tmpfs and mount an empty one."""
-        if not self._upper_empty():
+        # With index=on the upper root remembers its lower stack (an origin xattr): a
+        # mount over another stack needs a new one even when nothing was written.
+        if self._index_on or not self._upper_empty():
             _umount(self.rw)
             self._state["rw"] = False
             self._new_rw()
@@ -1066,7 +1168,12 @@ class OverlaySandbox(_LocalSandbox):
         self._check_open()
         if self._upper_empty():  # nothing changed since the last freeze: share the stack
             return OverlaySnapshot(self.store, self.stack, None)
+        self._link_up()
         self._unmount()
+        # The index's links are not names: left in the frozen layer they would count.
+        index_dir = self.work / "index"
+        for entry in os.listdir(index_dir) if self._index_on and index_dir.is_dir() else ():
+            _remove(str(index_dir / entry))
         layer_root = self.store.new_layer()
         layer_root.mkdir()
         _move_mount(self.rw, layer_root)
@@ -1078,9 +1185,37 @@ class OverlaySandbox(_LocalSandbox):
         if len(stack) - 1 > self.max_layers or len(":".join(stack)) > 3000:
             stack, top = self._squash(stack), None
             self.store.drop_layer(str(layer))  # merged into the squashed layer; no holder
+        if self.index:
+            groups = _link_groups(stack[0])
+            if groups:
+                self.store.links[stack[0]] = groups
         snap = OverlaySnapshot(self.store, stack, top)
         self._mount(stack)
         return snap
+
+    def _link_up(self) -> None:
+        """Give every name of a hard link from a lower layer its copy-up, once one has it.
+
+        With ``index=on`` the kernel copies a lower hard link up once and links the other
+        names to that copy when they are next looked up; names nobody looked up before
+        the snapshot would keep the old inode below. A no-op chown of each such name
+        links it up now. The groups come from each frozen layer (recorded at freeze).
+        """
+        if not self._index_on:
+            return
+        for layer in self.stack:
+            for group in self.store.links.get(layer, ()):
+                up = {r for r in group if os.path.lexists(self.upper / r)}
+                seen = {r for r in group if os.path.lexists(self.merged / r)}
+                if not up and seen == set(group):
+                    continue  # untouched since the freeze
+                # Written, replaced or deleted names: the others need their copy-up now
+                # (a deleted name is counted in the lower inode's link count).
+                for r in seen - up:
+                    p = self.merged / r
+                    if p.is_file() and not p.is_symlink():
+                        st = os.lstat(p)
+                        os.lchown(p, st.st_uid, st.st_gid)
 
     def _squash(self, stack: tuple[str, ...]) -> tuple[str, ...]:
         """Merge every frozen layer above the checkout into one (keeps the kernel happy)."""
@@ -1116,11 +1251,11 @@ class OverlaySandbox(_LocalSandbox):
             with self.snapshot() as now:
                 return OverlaySandbox(
                     self.store, self.runner, now.stack, max_layers=self.max_layers,
-                    redirect_dir=self.redirect_dir,
+                    redirect_dir=self.redirect_dir, index=self.index,
                 )  # fmt: skip
         return OverlaySandbox(
             self.store, self.runner, self._stack_of(snap), max_layers=self.max_layers,
-            redirect_dir=self.redirect_dir,
+            redirect_dir=self.redirect_dir, index=self.index,
         )  # fmt: skip
 
     def close(self) -> None:
@@ -1393,6 +1528,7 @@ class LocalBackend:
         limits: Limits | Mapping[str, object] | None = None,
         toolchain: Sequence[str | os.PathLike[str]] = (),
         overlay_redirect_dir: bool | None = None,
+        python_env: str | Mapping[str, str] | None = "auto",
     ) -> None:
         """Pick the mode (probing overlayfs once) and check isolation is possible."""
         if mode not in ("auto", "overlay", "git"):
@@ -1409,11 +1545,14 @@ class LocalBackend:
         self.limits = Limits.of(limits)  # type: ignore[arg-type]
         self.runner = _Runner(isolation, self.limits, toolchain, etc_dir=self.store.root / "etc")
         self.max_layers = max_layers
+        self.python_env = python_env
+        self._task_runners: dict[str, _Runner] = {}
         self.redirect_dir = self.mode == "overlay" and (
             redirect_dir_support(self.store.root.parent)
             if overlay_redirect_dir is None
             else bool(overlay_redirect_dir)
         )
+        self.index = self.mode == "overlay" and index_support(self.store.root.parent)
 
     @property
     def kind(self) -> str:
@@ -1433,25 +1572,54 @@ class LocalBackend:
             )
         return out
 
+    def runner_for(self, task: object, checkout: Path) -> _Runner:
+        """The runner of ``task``'s sandboxes: in its repository's own environment.
+
+        With ``python_env="auto"`` an installable repository (pyproject.toml, setup.py or
+        setup.cfg) gets its per-repository venv (:mod:`branchgym.envs.swebench.repo_env`,
+        built once, shared read-only); one without packaging metadata, or
+        ``python_env="host"``, runs with branchgym's interpreter.
+        """
+        if not isinstance(task, SWEBenchTask):
+            return self.runner
+        if task.instance_id in self._task_runners:
+            return self._task_runners[task.instance_id]
+        base = resolve_python_env(self.python_env, task)
+        named = self.python_env not in (None, "auto", "host")
+        if base == "host" or (not named and not installable(checkout)):
+            runner = self.runner
+        else:
+            runner = self.runner.for_python(repo_environment(task, checkout, base_python=base))
+        self._task_runners[task.instance_id] = runner
+        return runner
+
     def create(self, task: object, checkout: Path) -> Sandbox:
         """A sandbox whose /testbed starts as ``checkout`` (never modified)."""
+        runner = self.runner_for(task, checkout)
         if self.mode == "overlay":
             return OverlaySandbox(
-                self.store, self.runner, (str(checkout),), max_layers=self.max_layers,
-                redirect_dir=self.redirect_dir,
+                self.store, runner, (str(checkout),), max_layers=self.max_layers,
+                redirect_dir=self.redirect_dir, index=self.index,
             )  # fmt: skip
-        return GitSandbox(self.store, self.runner, base=checkout)
+        return GitSandbox(self.store, runner, base=checkout)
 
-    def from_snapshot(self, snap: SandboxSnapshot) -> Sandbox:
-        """A new sandbox in ``snap``'s state (a snapshot of this backend)."""
+    def from_snapshot(
+        self, snap: SandboxSnapshot, task: object = None, checkout: Path | None = None
+    ) -> Sandbox:
+        """A new sandbox in ``snap``'s state (a snapshot of this backend).
+
+        ``task`` and its ``checkout`` give the sandbox the task's own environment (see
+        :meth:`runner_for`); without them commands run with branchgym's interpreter.
+        """
         snap.check()
+        runner = self.runner if checkout is None else self.runner_for(task, checkout)
         if isinstance(snap, OverlaySnapshot) and self.mode == "overlay":
             return OverlaySandbox(
-                self.store, self.runner, snap.stack, max_layers=self.max_layers,
-                redirect_dir=self.redirect_dir,
+                self.store, runner, snap.stack, max_layers=self.max_layers,
+                redirect_dir=self.redirect_dir, index=self.index,
             )  # fmt: skip
         if isinstance(snap, GitSnapshot) and self.mode == "git":
-            return GitSandbox(self.store, self.runner, snap=snap)
+            return GitSandbox(self.store, runner, snap=snap)
         raise SandboxError(
             f"a {snap.kind} snapshot cannot be restored by the local {self.mode} backend"
         )

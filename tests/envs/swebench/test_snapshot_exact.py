@@ -126,17 +126,36 @@ def test_fifos_hard_links_and_symlinks(sandbox):
 
 
 def test_a_write_through_one_name_shows_through_the_others(sandbox):
-    run(sandbox, "echo v1 > a && ln a b")
+    run(sandbox, "echo v1 > a && ln a b && mkdir d && ln a d/c && echo w > w1 && ln w1 w2")
     snap = sandbox.snapshot()
     sandbox.restore(snap)
     run(sandbox, "echo v2 >> a")
-    if sandbox.backend == "git":
-        assert sandbox.read("b") == b"v1\nv2\n"
+    snap2 = sandbox.snapshot()  # only a was written: b and d/c must follow it
+    run(sandbox, "echo v3 >> d/c && echo x >> w2")
+    if getattr(sandbox, "index", True):
+        assert sandbox.read("b") == b"v1\nv2\nv3\n" and sandbox.read("w1") == b"w\nx\n"
+        assert run(sandbox, "stat -c %h a b d/c w1") == "3\n3\n3\n2\n"
+        sandbox.restore(snap2)
+        assert sandbox.read("d/c") == b"v1\nv2\n"
+        assert run(sandbox, "stat -c %h a b d/c w1") == "3\n3\n3\n2\n"
     else:
-        # Stated limitation (docs/swebench.md, "Snapshots"): overlayfs copies a file up
-        # on its first write after a snapshot, and the copy is one name only.
+        # Stated limitation (docs/swebench.md, "Snapshots"): without index=on overlayfs
+        # copies a file up on its first write after a snapshot, one name only.
         assert sandbox.read("b") == b"v1\n"
     snap.release()
+    snap2.release()
+
+
+def test_overlay_without_index_breaks_hard_links_on_write(task_by_name, checkout):
+    task = task_by_name["textstats"]
+    backend = LocalBackend("overlay")
+    backend.index = False
+    sb = backend.create(task, checkout(task))
+    try:
+        assert sb.index is False
+        test_a_write_through_one_name_shows_through_the_others(sb)
+    finally:
+        sb.close()
 
 
 def test_modes_and_modification_times(sandbox):
