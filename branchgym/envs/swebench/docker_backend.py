@@ -956,7 +956,7 @@ class DockerBackend:
         script = (
             f"if [ -f {act} ]; then source {act} && conda activate {env_name} "
             ">/dev/null 2>&1 || { echo 'conda activate failed' >&2; exit 3; }; fi; "
-            f"git -C {WORKDIR} rev-parse HEAD 2>/dev/null || echo; env -0"
+            f"git -c safe.directory='*' -C {WORKDIR} rev-parse HEAD 2>/dev/null || echo; env -0"
         )
         res = sb._exec(["bash", "-c", script], 120.0, user=info.user)
         if res.exit_code != 0:
