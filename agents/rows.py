@@ -56,6 +56,8 @@ class Decision:
         advantage: The decision's advantage, broadcast to its tokens.
         ref_logp: Reference policy's log-probs (filled when a KL term needs them).
         teacher_logp: Frozen teacher's log-probs (OPD).
+        is_weight: Per-token importance weight on the advantage (truncated importance
+            sampling of vLLM samples, :mod:`~branchgym.agents.vllm_training`), or None.
     """
 
     tree: int
@@ -67,6 +69,7 @@ class Decision:
     advantage: float = 0.0
     ref_logp: np.ndarray | None = None
     teacher_logp: np.ndarray | None = None
+    is_weight: np.ndarray | None = None
 
     @property
     def n_tokens(self) -> int:
@@ -225,7 +228,9 @@ class Batch:
             logp=torch.stack(padded) if padded else torch.zeros(0, width, device=device),
             old_logp=self.pad(rows, lambda d: d.old_logp).to(device),
             mask=self.pad(rows, lambda d: d.mask).to(device),
-            advantages=self.pad(rows, lambda d: d.advantage).to(device),
+            advantages=self.pad(
+                rows, lambda d: d.advantage if d.is_weight is None else d.advantage * d.is_weight
+            ).to(device),
             ref_logp=optional("ref_logp"),
             teacher_logp=optional("teacher_logp"),
             rewards=torch.tensor([self.rows[r].reward for r in rows], device=device),
