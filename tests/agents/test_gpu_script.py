@@ -40,10 +40,13 @@ def test_gpu_learners_script_runs_every_learner_on_cpu(tmp_path):
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     report = json.loads((out / "gpu_learners.json").read_text())
+    assert report["meta"]["vocab"] == report["meta"]["tokenizer_size"]
+    assert report["meta"]["engines"] == ["hf"]
     algos = [r["algo"] for r in report["rows"]]
     assert algos == ["sft", "grpo", "rloo", "bpo", "bellman_po", "branch_opd", "opd", "opd_multi"]
     for row in report["rows"]:
         assert row["steps"] == 2 and row["step_s"] > 0 and row["peak_memory_gb"] > 0
+        assert row["engine"] == "hf"
         if row["algo"] != "sft":
             assert row["tokens_per_step"] > 0 and row["generate_tokens_per_s"] > 0
     assert "| bpo |" in (out / "gpu_learners.md").read_text()
@@ -58,3 +61,23 @@ def test_gpu_learners_script_refuses_cuda_without_a_gpu(tmp_path):
         [sys.executable, str(SCRIPT), "--out", str(tmp_path)], capture_output=True, text=True
     )
     assert proc.returncode == 2 and "--device cpu --tiny" in proc.stderr
+
+
+def _script():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("gpu_learners", SCRIPT)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_the_model_is_built_at_its_tokenizers_vocabulary(tmp_path):
+    from branchgym.agents.models import load_model
+
+    facts = _script().build_model(tmp_path / "m", tiny=True, tok_name="tiny", seed=0)
+    model, tok = load_model(tmp_path / "m")
+    assert facts["vocab"] == model.config.vocab_size == len(tok) == facts["tokenizer_size"]
+    # every id the model can sample decodes to text (the 151,936-row head of the old
+    # script sampled ids past a 1,024-token tokenizer, which decode to nothing)
+    assert tok.decode([len(tok) - 1]) != ""
