@@ -2,7 +2,9 @@
 
 * :mod:`~branchgym.envs.swebench.tasks`: the instance format and task-file loaders;
 * :mod:`~branchgym.envs.swebench.generated`: twelve generated tasks (real git repos);
-* :mod:`~branchgym.envs.swebench.grading`: patch application, the pytest log parser, reports;
+* :mod:`~branchgym.envs.swebench.grading`: patch application, the eval run, reports;
+* :mod:`~branchgym.envs.swebench.harness`: the ``swebench`` package's specs, eval scripts and
+  log grading, wrapped;
 * :mod:`~branchgym.envs.swebench.sandbox`: the ``Sandbox`` interface; backends in
   :mod:`~branchgym.envs.swebench.local` (overlayfs / git trees, under bubblewrap) and
   :mod:`~branchgym.envs.swebench.docker_backend` (containers, ``docker`` extra);
