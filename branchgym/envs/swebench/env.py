@@ -100,7 +100,7 @@ PROBE_ACTIONS = (
 #: Deterministic, so the fidelity suite's model replays them exactly.
 HOSTILE_ACTIONS = (
     "git init -q sub && cd sub && echo s > s.txt && git add s.txt && "
-    "git -c user.name=a -c user.email=a@a commit -qm s; cd /testbed; git -C sub log --oneline",
+    "git -c user.name=a -c user.email=a@a commit -qm s; cd /testbed; git -C sub log --format=%s",
     "git init -q unborn; echo u > unborn/u.txt; ls -a unborn",
     "rm -rf clone; git clone -q . clone 2>&1; ls clone | head -3",
     "git checkout -q --orphan orphan 2>&1; git status --short | head -3",
@@ -184,7 +184,9 @@ class SWEBenchEnv(SnapshottableEnv[str, str]):
 
     Args:
         tasks: A task file (``.json``/``.jsonl``, SWE-bench format), a list of records or
-            :class:`SWEBenchTask`, or ``None`` for the generated task set.
+            :class:`SWEBenchTask`, the name of a shipped task set (``"generated"``: twelve
+            one-file toys; ``"realistic"``: twenty tasks from real PyPI projects; see
+            docs/swebench.md), or ``None`` for the generated set.
         instance_ids: Keep only these instances.
         repos_dir: Folder of local clones (``owner__name``) for tasks from a file;
             ignored for the generated tasks, whose repositories are built locally.
@@ -210,6 +212,13 @@ class SWEBenchEnv(SnapshottableEnv[str, str]):
             256 processes, 300 CPU-seconds, 1 GiB writable layer, 256 MiB /tmp).
         toolchain: Local backends: extra folders commands see read-only (a venv or conda
             env with the repository's dependencies).
+        python_env: Local backends: the Python commands and tests run with. ``"auto"``
+            (default): an installable repository gets its own venv, built once per
+            repository and version over branchgym's interpreter, with the repository
+            installed as the harness does (``pip install -e .``); ``"host"``: branchgym's
+            interpreter; or a mapping of instance id or ``owner/name`` (``"*"`` for the
+            rest) to the interpreter each repository's venv is made from (one that has
+            its dependencies). See :mod:`branchgym.envs.swebench.repo_env`.
         harness_guard: A submitted patch that adds or changes ``conftest.py``,
             ``pytest.ini``, ``sitecustomize.py``, ``usercustomize.py`` or a ``.pth`` file
             is graded "not resolved" (it could rewrite test outcomes). ``False`` grades
@@ -241,6 +250,7 @@ class SWEBenchEnv(SnapshottableEnv[str, str]):
         limits: Any = None,
         toolchain: Sequence[str | os.PathLike[str]] = (),
         harness_guard: bool = True,
+        python_env: str | Mapping[str, str] | None = "auto",
     ) -> None:
         """Load the tasks and start the backend (no sandbox exists before ``reset``)."""
         # Docker with SWE-bench's (or a given) image needs no clone: a missing repos_dir
@@ -262,7 +272,7 @@ class SWEBenchEnv(SnapshottableEnv[str, str]):
         self.harness_guard = bool(harness_guard)
         self.limits = Limits.of(limits)
         self.backend = _make_backend(
-            backend, isolation, docker_image, max_layers, self.limits, tuple(toolchain)
+            backend, isolation, docker_image, max_layers, self.limits, tuple(toolchain), python_env
         )
         self.snapshot_kind = self.backend.kind  # type: ignore[misc]  # per instance
         self.observation_space = AnyText(max_length=10_000_000, charset=_CHARSET)
@@ -284,10 +294,10 @@ class SWEBenchEnv(SnapshottableEnv[str, str]):
     def _load(
         tasks: Any, ids: Sequence[str] | None, repos_dir: Any, images: bool = False
     ) -> tuple[list, Path | None]:
-        if tasks is None:
-            from branchgym.envs.swebench.generated import build_generated_tasks
+        from branchgym.envs.swebench.generated import TASK_SETS, task_set
 
-            path = build_generated_tasks()
+        if tasks is None or (isinstance(tasks, str) and tasks in TASK_SETS):
+            path = task_set(tasks or "generated")
             return load_tasks(path, instance_ids=ids), path.parent / "repos"
         if isinstance(tasks, str | os.PathLike):
             loaded = load_tasks(tasks, instance_ids=ids)
@@ -589,11 +599,22 @@ class SWEBenchEnv(SnapshottableEnv[str, str]):
                 "a new snapshot."
             )
         saved.sandbox.check()
-        if self.sandbox is not None and self.sandbox.backend == saved.sandbox.backend:
+        same_task = self.task is not None and self.task.instance_id == saved.task_id
+        if (
+            self.sandbox is not None
+            and self.sandbox.backend == saved.sandbox.backend
+            and (same_task or self.backend_name not in _LOCAL)
+        ):
             self.sandbox.restore(saved.sandbox)
         else:
             self._close_sandbox()
-            self.sandbox = self.backend.from_snapshot(saved.sandbox)
+            if self.backend_name in _LOCAL:  # in the task's own environment (repo_env)
+                task = self._by_id[saved.task_id]
+                self.sandbox = self.backend.from_snapshot(
+                    saved.sandbox, task=task, checkout=self._checkout(task)
+                )
+            else:
+                self.sandbox = self.backend.from_snapshot(saved.sandbox)
         self.task = self._by_id[saved.task_id]
         self._base_ref = saved.base_ref or self.task.base_commit
         self.shell = _ShellState(saved.cwd, dict(saved.env))
@@ -647,6 +668,10 @@ class SWEBenchEnv(SnapshottableEnv[str, str]):
         super().close()
 
 
+#: The local backends' names (their sandboxes run in each task's own environment).
+_LOCAL = ("local", "overlay", "git")
+
+
 def _make_backend(
     name: str,
     isolation: str,
@@ -654,13 +679,19 @@ def _make_backend(
     max_layers: int,
     limits: Limits,
     toolchain: tuple[str | os.PathLike[str], ...],
+    python_env: str | Mapping[str, str] | None = "auto",
 ) -> Any:
     if name in ("local", "overlay", "git"):
         from branchgym.envs.swebench.local import LocalBackend
 
         mode = {"local": "auto"}.get(name, name)
         return LocalBackend(
-            mode, isolation=isolation, max_layers=max_layers, limits=limits, toolchain=toolchain
+            mode,
+            isolation=isolation,
+            max_layers=max_layers,
+            limits=limits,
+            toolchain=toolchain,
+            python_env=python_env,
         )
     from branchgym.envs.swebench.docker_backend import DockerBackend
 

@@ -285,3 +285,25 @@ def test_fidelity_suite_with_hostile_actions(backend):
         shrink_seconds=0,
     )
     assert report.ok, str(report)
+
+
+@pytest.mark.slow
+def test_fidelity_suite_finds_exdev_when_redirect_dir_is_off(monkeypatch):
+    # The suite has the power to see an inexactness these actions expose: without
+    # redirect_dir a folder made before a snapshot cannot be renamed after it.
+    import branchgym.envs.swebench.local as local
+
+    monkeypatch.setattr(local, "redirect_dir_support", lambda root=None: False)
+    actions = (HOSTILE_ACTIONS[8], HOSTILE_ACTIONS[9], "ls")
+    assert "olddir" in actions[0] and "os.rename" in actions[1]
+    report = check_snapshot_fidelity(
+        lambda: gym.make("branchgym/SWEBench-v0", backend="overlay", suggested_actions=actions),
+        mode="exact",
+        max_examples=25,
+        steps=10,
+        seed=3,
+        shrink_seconds=0,
+        reproduce=1,
+    )
+    assert not report.ok
+    assert "Invalid cross-device link" in str(report)
