@@ -954,7 +954,7 @@ class DockerBackend:
             env_name = "testbed"
         act = shlex.quote(CONDA_ACTIVATE)
         script = (
-            f"if [ -f {act} ]; then source {act} && conda activate {env_name} "
+            f"if [ -f {act} ]; then {{ source {act} && conda activate {env_name}; }} "
             ">/dev/null 2>&1 || { echo 'conda activate failed' >&2; exit 3; }; fi; "
             f"git -c safe.directory='*' -C {WORKDIR} rev-parse HEAD 2>/dev/null || echo; env -0"
         )

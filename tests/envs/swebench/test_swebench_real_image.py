@@ -217,3 +217,36 @@ def test_registry_mirror_template(fixture_task):
             client.images.remove(mirror)
         except Exception:  # docker.errors.ImageNotFound: the tag failed
             pass
+
+
+@pytest.mark.docker
+def test_image_without_its_testbed_env_is_refused(fixture_task):
+    from branchgym.envs.swebench.docker_backend import docker_client, swebench_image_names
+    from branchgym.error import SandboxError
+
+    client = docker_client()
+    c = client.containers.create(
+        swebench_image_names(fixture_task)[0],
+        ["rm", "-rf", "/opt/miniconda3/envs/testbed"],
+        network_mode="none",
+    )
+    try:
+        c.start()
+        c.wait()
+        c.commit(repository="branchgym-test/no-testbed", tag="latest")
+    finally:
+        c.remove(force=True)
+    env = gym.make(
+        ENV_ID,
+        tasks=[fixture_task],
+        backend="docker",
+        docker_image="branchgym-test/no-testbed:latest",
+    )
+    try:
+        with pytest.raises(SandboxError, match="conda activate testbed` failed"):
+            env.reset(options={"instance_id": fixture_task.instance_id})
+    finally:
+        env.close()
+        left = owned()  # waits for the background removal of the refused container
+        client.images.remove("branchgym-test/no-testbed:latest")
+    assert left == {"containers": [], "images": []}
