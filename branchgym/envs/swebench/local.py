@@ -10,17 +10,22 @@ empty tmpfs on top; ``restore()`` remounts over the snapshot's stack with a fres
 stack. Cost is a few system calls, independent of repository size. Layers are
 reference-counted (snapshots and live mounts hold them) and deleted with their last
 holder. Stacks deeper than ``max_layers`` are squashed (the frozen layers above the
-checkout are copied into one, whiteouts and opaque directories kept), so the kernel's
-layer and option-length limits are never reached.
+checkout are copied into one, whiteouts, opaque directories, renamed directories, FIFOs
+and hard links kept), so the kernel's layer and option-length limits are never reached.
+Where the kernel allows, mounts use ``redirect_dir=on`` (a directory from a frozen layer
+can be renamed) and, over layers holding hard links, ``index=on`` (a write through one
+name of a frozen hard link shows through the others); docs/swebench.md, "Snapshots".
 
 **Git** (:class:`GitSandbox`, kind ``git``), where mounting is not allowed (no
 ``CAP_SYS_ADMIN``, or no overlayfs). The repository is a plain directory. A snapshot
-records, in a private object store, the tree of the working directory
-(``GIT_INDEX_FILE=<private index> git add -A -f; git write-tree``) and the tree of the
-repository's own ``.git`` directory, plus the permission bits and directories git does
-not track. ``restore()`` refreshes the private index and runs ``git read-tree --reset -u``,
-which rewrites only the files that differ. Both steps are incremental: git re-hashes
-only files whose stat data changed.
+records, in a private object store, a tree per unit (``GIT_INDEX_FILE=<private index>
+git add -A -f; git write-tree``; the units are the folder, each nested repository and
+each ``.git`` folder) and a manifest of what git does not keep (folders, modes, times,
+FIFOs, ``.git`` files, hard links): :mod:`~branchgym.envs.swebench.gitsnap`, which the
+docker-git backend runs too. ``restore()`` refreshes the private indexes and runs ``git
+read-tree --reset -u`` per unit, which rewrites only the files that differ, then applies
+the manifest. Both steps are incremental: git re-hashes only files whose stat data
+changed.
 
 Rejected approaches (tests show why): ``git stash create`` ignores untracked files, so a
 restore keeps files created after the snapshot and loses untracked files from before it;
