@@ -146,7 +146,8 @@ def main(args: Args, algo: str = "bellman_po") -> TrainResult:
 
         # 3. the omega-weighted loss over G rows per group, several updates
         update = functools.partial(loss, args)
-        run.log(run.updates(batch, update, weight=_sequence_weight(skipped)))
+        # the loss reads whole groups: token-budget micro-batches cut between groups
+        run.log(run.updates(batch, update, weight=_sequence_weight(skipped), whole_groups=True))
         run.log(rollout_metrics(batch))
         leaf_rank = [{leaf: j for j, leaf in enumerate(t.leaves())} for t in trees]
         run.log(

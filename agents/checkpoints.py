@@ -4,6 +4,12 @@ A checkpoint folder holds the model (safetensors), the optimizer's tensors
 (:func:`optimizer_tensors`, safetensors) and ``trainer_state.json`` (version
 :data:`CHECKPOINT_VERSION`, read back by :func:`load_checkpoint_state`). Writing and
 loading a whole run is :meth:`branchgym.agents.run.Run.save` / ``resume``.
+
+Only what resuming needs is written (:func:`save_weights`): with LoRA the adapters alone
+(``adapter_model.safetensors``, megabytes; the base weights are the run's ``model``),
+otherwise the weights as safetensors shards of at most :data:`SHARD_SIZE`; bfloat16
+training adds its float32 master weights (``masters.safetensors``); the optimizer state
+is optional (``save_optimizer``).
 """
 
 from __future__ import annotations
@@ -41,7 +47,13 @@ __all__ = [
     "fsync_tree",
     "stop_on_signals",
     "truncate_metrics",
+    "SHARD_SIZE",
+    "save_weights",
+    "load_adapters",
 ]
+
+#: Largest safetensors shard of a full-weights checkpoint (``save_pretrained``'s format).
+SHARD_SIZE = "2GB"
 
 
 CHECKPOINT_VERSION = 2
@@ -242,3 +254,31 @@ def truncate_metrics(path: Path, step: int) -> list[dict[str, Any]]:
     tmp.write_text("".join(json.dumps(x) + "\n" for x in kept))
     tmp.replace(path)
     return kept
+
+
+def save_weights(model: Any, folder: Path) -> None:
+    """What resuming needs of ``model``: LoRA adapters only, or sharded safetensors."""
+    if hasattr(model, "peft_config"):
+        model.save_pretrained(folder, safe_serialization=True)  # adapter_model.safetensors
+    else:
+        model.save_pretrained(folder, safe_serialization=True, max_shard_size=SHARD_SIZE)
+
+
+def load_adapters(model: Any, folder: Path) -> None:
+    """Load a checkpoint's LoRA adapters into ``model`` (a PEFT model of the same config)."""
+    from peft import set_peft_model_state_dict
+    from safetensors.torch import load_file
+
+    path = folder / "adapter_model.safetensors"
+    if not path.is_file():
+        raise CheckpointError(
+            f"{folder} holds no adapter_model.safetensors: it was saved without LoRA; resume "
+            "it with lora_rank=0 (or start LoRA from its weights with model=<folder>)."
+        )
+    result = set_peft_model_state_dict(model, load_file(str(path)))
+    unexpected = getattr(result, "unexpected_keys", None)
+    if unexpected:
+        raise CheckpointError(
+            f"{path} has adapters this model lacks ({unexpected[:3]}...); resume with the "
+            "lora_rank and lora_targets it was saved with."
+        )

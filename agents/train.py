@@ -6,6 +6,8 @@ r"""``branchgym train``: run any reference learner from the command line or from
         --env-kwargs '{"depth": 3, "reward_kind": "bernoulli"}' --steps 20 \
         --set prompts_per_step=4 lr=1e-4 gap_unit=steps
     branchgym train --algo bpo --options          # every option of a learner, with its doc
+    branchgym train --algo bpo --model Qwen/Qwen2.5-7B-Instruct --dry-run \
+        --set lora_rank=16 precision=bf16 gradient_checkpointing=true   # memory plan
 
 ``train(algo, **options)`` is the same from Python. :data:`LEARNERS` maps each
 algorithm name to its module, its ``Args`` class and entry point, and the options it
@@ -154,6 +156,12 @@ def configure(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.add_argument(
+        "--dry-run",
+        action="store_true",
+        help="print the memory plan of these options (weights, reference, gradients, "
+        "optimizer, activations) for the model's config, and exit without training",
+    )
+    p.add_argument(
         "--options",
         dest="list_options",
         action="store_true",
@@ -218,6 +226,13 @@ def run(ns: argparse.Namespace) -> int:
         options[key.strip().replace("-", "_")] = value
     if ns.no_progress:
         options["progress"] = False
+    if getattr(ns, "dry_run", False):
+        from branchgym.agents.memory import plan_for_args
+
+        args = make_args(algo, **options)
+        reference = float(getattr(args, "beta", 0) or 0) > 0
+        print(plan_for_args(args, reference=reference).table())
+        return 0
     result = train(algo, **options)
     if os.environ.get("RANK", "0") != "0":  # data parallel: rank 0 reports for the run
         return 0
