@@ -257,12 +257,13 @@ class VLLMWorker:
             with contextlib.suppress(Exception):
                 self._conn.close()
             self._conn = None
-        if self.proc.poll() is None:
-            try:
-                self.proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+        for stop in (None, self.proc.terminate, self.proc.kill):  # ask, then insist
+            if self.proc.poll() is not None:
+                break
+            if stop is not None:
+                stop()
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                self.proc.wait(timeout=10)
         self._log.close()
         for folder in [self.workdir, *self._remove]:
             shutil.rmtree(folder, ignore_errors=True)

@@ -145,7 +145,9 @@ def test_weight_sync_loads_in_place(worker, start):
     with torch.no_grad():
         for p in model.parameters():
             p.add_(0.02 * torch.randn_like(p))
-    worker.clear_cache()
+    ((stale, _),) = worker.score(prompt, [reply])  # not marked stale: the old weights
+    np.testing.assert_allclose(stale, before, atol=1e-6)
+    worker.clear_cache()  # what Run.update does after optimizer.step()
     ((after, _),) = worker.score(prompt, [reply])
     np.testing.assert_allclose(after, trainer_logprobs(model, prompt, reply), atol=1e-4)
     assert np.abs(after - before).max() > 1e-2
@@ -197,7 +199,9 @@ def test_learner_trains_with_vllm_generation(worker, start, algo, extra, tmp_pat
     worker.clear_cache()
     ((now, _),) = worker.score(prompt, [reply])
     np.testing.assert_allclose(now, trainer_logprobs(trained, prompt, reply), atol=1e-4)
-    assert np.abs(now - trainer_logprobs(first, prompt, reply)).max() > 1e-3
+    moved = np.abs(now - trainer_logprobs(first, prompt, reply)).max()
+    print(f"{algo}: the fixed sequence's log-probs moved by up to {moved:.3f}")
+    assert moved > 10 * RATIO_TOL  # far more than the sampler/trainer mismatch
     after = worker.worker_stats()
     if algo == "bpo":  # the K siblings of a branch point went as one request with n samples
         assert after["samples"] - before["samples"] > after["requests"] - before["requests"]
