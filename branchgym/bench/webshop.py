@@ -270,6 +270,98 @@ def _agreement_rows(catalog: Any, goals: range) -> tuple[dict[str, dict], list[l
     return out, rows
 
 
+# ------------------------------------------------------------- noun agreement
+
+
+def noun_agreement(catalog: Any, goals: range | list[int], nlp: Any, page: int = 10) -> dict:
+    """How closely :func:`~branchgym.envs.webshop.reward.heuristic_nouns` follows spaCy.
+
+    Two levels, on the catalog's titles and the split's goals:
+
+    * tokens: over every product title, the heuristic's noun list against spaCy's
+      ``NOUN``/``PROPN`` tokens (``nlp``): micro precision and recall, and the share of
+      titles whose noun sets are equal;
+    * the type factor: for each goal and each product on the first results page of its
+      instruction (what an agent buys from), upstream's ``r_type`` computed with both noun
+      lists; the share of (goal, product) pairs where it is equal, and the mean absolute
+      difference of ``title_score``.
+    """
+    from branchgym.envs.webshop.reward import get_type_reward, heuristic_nouns
+
+    def spacy_nouns(text: str) -> tuple[str, ...]:
+        return tuple(t.text.lower() for t in nlp(text) if t.pos_ in ("NOUN", "PROPN"))
+
+    tp = fp = fn = same = 0
+    titles = [str(p["name"]) for p in catalog.products]
+    for title in titles:
+        h, sp = set(heuristic_nouns(title)), set(spacy_nouns(title))
+        tp += len(h & sp)
+        fp += len(h - sp)
+        fn += len(sp - h)
+        same += h == sp
+    pairs = equal = 0
+    score_gap = 0.0
+    flips: dict[str, int] = {}
+    for gi in goals:
+        goal = catalog.goals[gi]
+        g_h = {**goal, "name_nouns": heuristic_nouns(goal["name"])}
+        g_s = {**goal, "name_nouns": spacy_nouns(goal["name"])}
+        for d in catalog.index.search(goal["instruction_text"].lower())[:page]:
+            prod = catalog.products[d]
+            a = get_type_reward({**prod, "title_nouns": heuristic_nouns(prod["name"])}, g_h)
+            b = get_type_reward({**prod, "title_nouns": spacy_nouns(prod["name"])}, g_s)
+            pairs += 1
+            equal += a["r_type"] == b["r_type"]
+            score_gap += abs(a["title_score"] - b["title_score"])
+            if a["r_type"] != b["r_type"]:
+                key = f"{b['r_type']} -> {a['r_type']}"
+                flips[key] = flips.get(key, 0) + 1
+    return {
+        "model": f"{nlp.meta.get('name', '?')} {nlp.meta.get('version', '')}".strip(),
+        "titles": len(titles),
+        "token_precision": tp / max(tp + fp, 1),
+        "token_recall": tp / max(tp + fn, 1),
+        "titles_same_nouns": same / max(len(titles), 1),
+        "pairs": pairs,
+        "r_type_same": equal / max(pairs, 1),
+        "title_score_mean_abs_diff": score_gap / max(pairs, 1),
+        "r_type_flips_spacy_to_heuristic": flips,
+    }
+
+
+def _noun_section(report: Report, catalog: Any, goals: range) -> None:
+    from branchgym.envs.webshop.reward import spacy_pipeline
+
+    nlp = spacy_pipeline()
+    if nlp is None:
+        print(
+            "\nTitle nouns: spaCy with an English model is not installed, so the heuristic's "
+            "agreement with it cannot be measured here (pip install "
+            "'branchgym[webshop-spacy]' and a model wheel; see docs/webshop.md)."
+        )
+        return
+    a = noun_agreement(catalog, goals, nlp)
+    report.add(
+        f"Title nouns: the token heuristic against spaCy ({a['model']}) on the catalog's "
+        f"{a['titles']:,} titles, and upstream's type factor r_type computed with each on "
+        f"{a['pairs']:,} (goal, page-1 result) pairs."
+    )
+    rows = [
+        ["token precision (heuristic nouns that spaCy tags)", f"{a['token_precision']:.3f}"],
+        ["token recall (spaCy nouns the heuristic keeps)", f"{a['token_recall']:.3f}"],
+        ["titles with the same noun set", f"{a['titles_same_nouns']:.3f}"],
+        ["(goal, result) pairs with the same r_type", f"{a['r_type_same']:.3f}"],
+        ["mean |title_score difference|", f"{a['title_score_mean_abs_diff']:.3f}"],
+        [
+            "r_type changes (spaCy -> heuristic)",
+            ", ".join(f"{k}: {v}" for k, v in sorted(a["r_type_flips_spacy_to_heuristic"].items()))
+            or "none",
+        ],
+    ]
+    print(report.table(["figure", "value"], rows))
+    report.data["noun_agreement"] = a
+
+
 # ------------------------------------------------------------------ expert study
 
 
@@ -286,6 +378,11 @@ def configure(parser: argparse.ArgumentParser) -> None:
         help="which upstream release in --data-dir (needed when the folder holds both)",
     )
     parser.add_argument("--quick", action="store_true", help="first 50 goals only (CI)")
+    parser.add_argument(
+        "--nouns-only",
+        action="store_true",
+        help="only the title-noun agreement (heuristic vs spaCy; needs spaCy and a model)",
+    )
 
 
 def main(args: argparse.Namespace) -> int:
@@ -296,6 +393,11 @@ def main(args: argparse.Namespace) -> int:
     n = len(env.unwrapped.split_goals)
     limit = 50 if args.quick else args.limit
     goals = range(min(n, limit) if limit else n)
+    if args.nouns_only:
+        report = Report(args.out, "webshop_nouns", "branchgym bench webshop: title nouns")
+        _noun_section(report, env.unwrapped.catalog, env.unwrapped.split_goals[: len(goals)])
+        print(f"\nreport: {report.save()}")
+        return 0
     t0 = time.perf_counter()
     res = run_expert(env, goals, split=args.split, progress=True)
     secs = time.perf_counter() - t0
@@ -330,6 +432,7 @@ def main(args: argparse.Namespace) -> int:
         )
     )
     report.data["search_agreement"] = agreement
+    _noun_section(report, cat, env.unwrapped.split_goals[: len(goals)])
     report.data["expert"] = {
         "split": args.split,
         "rewards": res.rewards,

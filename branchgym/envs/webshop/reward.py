@@ -24,19 +24,23 @@ from spaCy when a model is installed, or from a documented token heuristic
 Install the ``webshop-spacy`` extra and a model (offline: ``pip install
 ./en_core_web_lg-3.8.0-py3-none-any.whl``) to grade real data as upstream does; real
 data graded with the heuristic is warned about once per process
-(:func:`warn_if_heuristic_on_real_data`).
+(:func:`warn_if_heuristic_on_real_data`). ``BRANCHGYM_SPACY_MODEL`` names another
+installed model package or a model folder to use first (a repackaged model, a local path).
 """
 
 from __future__ import annotations
 
 import functools
 import logging
+import os
 import re
 import warnings
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 from thefuzz import fuzz
+
+from branchgym.error import DataError
 
 __all__ = [
     "COLOR_SET",
@@ -49,8 +53,13 @@ __all__ = [
     "title_nouns",
     "heuristic_nouns",
     "noun_backend",
+    "spacy_pipeline",
     "warn_if_heuristic_on_real_data",
+    "SPACY_MODEL_ENV",
 ]
+
+#: Environment variable naming the spaCy model (package name or folder) to use first.
+SPACY_MODEL_ENV = "BRANCHGYM_SPACY_MODEL"
 
 logger = logging.getLogger(__name__)
 _WARNED: set[str] = set()
@@ -127,12 +136,27 @@ def _spacy_nlp() -> Any:
         import spacy
     except ImportError:
         return None
+    named = os.environ.get(SPACY_MODEL_ENV)
+    if named:
+        try:
+            return spacy.load(named, disable=["parser", "ner", "lemmatizer"])
+        except OSError as e:
+            raise DataError(
+                f"{SPACY_MODEL_ENV}={named!r} is not an installed spaCy model or a model "
+                f"folder ({e}); install the model wheel, or unset {SPACY_MODEL_ENV} to use "
+                "en_core_web_lg/_md/_sm when installed."
+            ) from e
     for model in ("en_core_web_lg", "en_core_web_md", "en_core_web_sm"):
         try:
             return spacy.load(model, disable=["parser", "ner", "lemmatizer"])
         except OSError:  # model not installed: never download at run time
             continue
     return None
+
+
+def spacy_pipeline() -> Any:
+    """The spaCy pipeline title nouns come from, or ``None`` when none is installed."""
+    return _spacy_nlp()
 
 
 def noun_backend() -> str:

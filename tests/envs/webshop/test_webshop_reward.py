@@ -254,3 +254,69 @@ def test_get_reward_price_and_verbose_fields():
     }
     total, info = get_reward(p, goal | {"goal_options": []}, 19.99, {}, verbose=True)
     assert total == 1.0 and "r_option" not in info and info["r_price"] is True
+
+
+# ------------------------------------------------------- spaCy model choice, agreement
+
+
+class _Tok:
+    def __init__(self, text, pos):
+        self.text, self.pos_ = text, pos
+
+
+class _FakeNLP:
+    """A stand-in pipeline: tags as NOUN exactly the words ``is_noun`` accepts."""
+
+    meta = {"name": "fake_tagger", "version": "0"}
+
+    def __init__(self, is_noun):
+        self.is_noun = is_noun
+
+    def __call__(self, text):
+        return [_Tok(w, "NOUN" if self.is_noun(w) else "ADJ") for w in text.split()]
+
+
+def test_a_named_spacy_model_that_is_not_installed_is_a_typed_error(monkeypatch):
+    import sys
+    import types
+
+    from branchgym.envs.webshop import reward
+    from branchgym.error import DataError
+
+    fake = types.ModuleType("spacy")
+
+    def load(name, **kw):
+        raise OSError(f"[E050] Can't find model '{name}'")
+
+    fake.load = load
+    monkeypatch.setitem(sys.modules, "spacy", fake)
+    monkeypatch.setenv(reward.SPACY_MODEL_ENV, "en_core_web_missing")
+    reward._spacy_nlp.cache_clear()
+    try:
+        with pytest.raises(DataError, match="BRANCHGYM_SPACY_MODEL"):
+            reward.noun_backend()
+    finally:
+        reward._spacy_nlp.cache_clear()
+
+
+def test_noun_agreement_is_perfect_against_itself_and_counts_what_differs():
+    import gymnasium as gym
+
+    from branchgym.bench.webshop import noun_agreement
+
+    env = gym.make("branchgym/WebShop-v0")
+    cat = env.unwrapped.catalog
+    goals = env.unwrapped.split_goals[:10]
+    same = noun_agreement(cat, goals, _FakeNLP(lambda w: False))
+    # A tagger that finds no nouns: nothing the heuristic keeps is confirmed.
+    assert same["token_precision"] == 0.0 and same["titles_same_nouns"] == 0.0
+    assert same["pairs"] == 100 and same["model"] == "fake_tagger 0"
+
+    def like_heuristic(word):
+        return bool(heuristic_nouns(word)) and word == word.strip(",.")
+
+    a = noun_agreement(cat, goals, _FakeNLP(like_heuristic))
+    assert 0.0 < a["token_recall"] <= 1.0 and 0.0 < a["token_precision"] <= 1.0
+    assert 0.0 <= a["r_type_same"] <= 1.0
+    changed = sum(a["r_type_flips_spacy_to_heuristic"].values())
+    assert changed == round((1 - a["r_type_same"]) * a["pairs"])
