@@ -321,7 +321,9 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
 
     import torch
+    from transformers.utils import logging as hf_logging
 
+    hf_logging.disable_progress_bar()  # the script prints its own lines
     if args.device == "cuda" and not torch.cuda.is_available():
         print("gpu_learners: no CUDA device; run with --device cpu --tiny", file=sys.stderr)
         return 2
