@@ -5,7 +5,7 @@ package grades it (:mod:`~branchgym.envs.swebench.harness` wraps the package; se
 docs/swebench.md, "Grading"):
 
 1. In a fresh sandbox at ``base_commit``, apply the model patch as upstream's
-   ``run_instance`` does (:data:`GIT_APPLY_CMDS` in order, the tree reset between
+   ``run_instance`` does (its ``GIT_APPLY_CMDS`` in order, the tree reset between
    attempts, then ``git apply --check --reverse`` for a patch already in place); if none
    works the patch "failed to apply" and the instance is not resolved.
 2. Run the instance's eval script (the package's ``TestSpec.eval_script``: reset the test
@@ -51,7 +51,6 @@ __all__ = [
     "test_directives",
     "START_TEST_OUTPUT",
     "END_TEST_OUTPUT",
-    "GIT_APPLY_CMDS",
 ]
 
 #: Upstream's markers (``swebench.harness.constants``), kept here so importing this module
@@ -60,15 +59,6 @@ START_TEST_OUTPUT = ">>>>> Start Test Output"
 END_TEST_OUTPUT = ">>>>> End Test Output"
 FAIL_TO_PASS = "FAIL_TO_PASS"
 PASS_TO_PASS = "PASS_TO_PASS"
-
-#: How upstream's ``run_instance`` applies a model patch, in order (its ``GIT_APPLY_CMDS``;
-#: ``swebench.harness.run_evaluation`` imports docker, so it is not imported here).
-GIT_APPLY_CMDS = (
-    "git apply --verbose",
-    "git apply --verbose --3way",
-    "git apply --verbose --reject",
-    "patch --batch --forward --fuzz=5 -p1 -i",
-)
 
 
 class TestStatus(str, enum.Enum):
@@ -307,11 +297,13 @@ def working_tree_patch(sandbox: Sandbox, base_commit: str, *, timeout: float = 1
 def _apply_model_patch(sandbox: Sandbox, patch: str, timeout: float) -> tuple[bool, str]:
     """Apply ``patch`` as upstream's ``run_instance`` does; returns (applied, log).
 
-    Each of :data:`GIT_APPLY_CMDS` in turn, the tree reset to the base between attempts
+    Each of upstream's ``GIT_APPLY_CMDS`` in turn, the tree reset to the base between attempts
     (a failed ``--reject`` leaves partial state), then ``git apply --check --reverse``
     (a patch that is already in place counts as applied). The patch file sits in the
     work tree (sandboxes write only there), kept out of the reset and removed after.
     """
+    from swebench.harness.run_evaluation import GIT_APPLY_CMDS
+
     name = f".branchgym-model-{uuid.uuid4().hex[:8]}.patch"
     sandbox.write(f"{sandbox.workdir}/{name}", patch.encode())
     q = shlex.quote(name)
