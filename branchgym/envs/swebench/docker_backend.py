@@ -272,6 +272,7 @@ class _Images:
                     return
                 del self.refs[image_id]
                 parent = self.parent.pop(image_id, None)
+                _INFO.get(id(self.client), {}).pop(image_id, None)  # how it ran commands
             try:
                 self.client.images.remove(image_id, force=True, noprune=False)
             except Exception:  # pragma: no cover - already gone

@@ -250,3 +250,25 @@ def test_image_without_its_testbed_env_is_refused(fixture_task):
         left = owned()  # waits for the background removal of the refused container
         client.images.remove("branchgym-test/no-testbed:latest")
     assert left == {"containers": [], "images": []}
+
+
+@pytest.mark.docker
+def test_snapshot_images_forget_how_they_ran_once_released(fixture_task):
+    from branchgym.envs.swebench import docker_backend as db
+
+    backend = db.DockerBackend()
+    infos = db._INFO[id(backend.client)]
+    sb = backend.create(fixture_task, None)
+    try:
+        before = len(infos)
+        snap = sb.snapshot()
+        assert infos[snap.image_id].user == "0:0" and len(infos) == before + 1
+        child = sb.fork(snap)
+        assert child.exec("id -u; echo $CONDA_DEFAULT_ENV").text == "0\ntestbed\n"
+        child.close()
+        snap.release()
+        db.wait_idle()
+        assert len(infos) == before
+    finally:
+        sb.close()
+    assert owned() == {"containers": [], "images": []}
