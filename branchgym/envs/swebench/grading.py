@@ -97,6 +97,7 @@ def parse_log_pytest(log: str) -> dict[str, str]:
     lines (``test_id STATUS [NN%]``); a later line for the same test wins, as upstream.
     Summary lines of skipped counts (``SKIPPED [2] tests/x.py:10: reason``) are not tests.
     Colour codes and carriage returns are removed first (upstream's v2 parser does so).
+    :func:`grade` does not use it: it grades with the package's parser for the repository.
     """
     status_map: dict[str, str] = {}
     for raw in log.split("\n"):
@@ -158,7 +159,7 @@ class GradeReport:
         tests_status: FAIL_TO_PASS / PASS_TO_PASS success and failure lists.
         status_map: Every test the log mentions, with its status.
         apply_log: Output of the patch application.
-        test_log: Output of the test run (between the start and end markers).
+        test_log: The eval script's whole output (upstream's ``test_output.txt``).
         rejected: Why the patch was refused without running (``harness_guard``), if it was.
         timed_out: The eval script ran past its timeout (upstream: not resolved).
     """
