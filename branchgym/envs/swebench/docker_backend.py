@@ -18,15 +18,16 @@ Snapshot modes:
 
 No CRIU: process state is not snapshotted. Nothing outlives a command: each runs under
 ``timeout``, and when it ends everything it started is killed (``kill -9 -1`` as the
-sandbox user), so the container's only long-running process is ``sleep`` and every
+sandbox user; as root, every process but init, the container's ``sleep`` and the
+wrapper itself), so the container's only long-running process is ``sleep`` and every
 snapshot sees a quiesced state.
 
 Least privilege: no network (``network_mode=none``), every capability dropped except
 CHOWN, DAC_OVERRIDE and FOWNER (which only root, i.e. branchgym's own snapshot and
 digest commands, can use: Docker gives a non-root user no effective capabilities),
 ``no-new-privileges``, and the agent's commands run as uid 1000 in branchgym-built images
-(``user=`` changes it; images given with ``image=`` run as root by default, since
-SWE-bench's images own ``/testbed`` and their conda environment as root). Limits
+(``user=`` changes it; SWE-bench's and other given images run as root by default, since
+they own ``/testbed`` and their conda environment as root). Limits
 (:class:`~branchgym.envs.swebench.limits.Limits`): memory and swap, pids, ``RLIMIT_CPU``
 and ``RLIMIT_FSIZE`` per container; the writable layer's size with ``--storage-opt
 size=`` where the storage driver supports it (overlay2 on xfs with project quotas,
