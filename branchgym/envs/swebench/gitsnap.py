@@ -79,8 +79,8 @@ def scan(root):
 def _lit(path):
     return ":(literal)" + path
 
-def add(root, units, git, index_dir):
-    """Bring each unit's private index up to date; return unit -> tree."""
+def add(root, units, git, index_dir, write=True):
+    """Bring each unit's private index up to date; return unit -> tree (if write)."""
     trees = {}
     for u in units:
         work = os.path.join(root, u) if u else root
@@ -92,7 +92,8 @@ def add(root, units, git, index_dir):
         if nested:  # entries from before a folder became a repository
             git("rm", "-r", "-q", "--cached", "--ignore-unmatch", "--",
                 *map(_lit, nested), work=work, index=idx)
-        trees[u] = git("write-tree", work=work, index=idx).strip()
+        if write:
+            trees[u] = git("write-tree", work=work, index=idx).strip()
     return trees
 
 def snapshot(root, git, index_dir):
@@ -123,7 +124,7 @@ def restore(root, trees, manifest_oid, git, index_dir):
     """Make the folder exactly the snapshot (unit trees + manifest)."""
     man = json.loads(git("cat-file", "blob", manifest_oid, work=root, index=None))
     now = scan(root)
-    add(root, now["units"], git, index_dir)  # so files created since get removed
+    add(root, now["units"], git, index_dir, write=False)  # so files made since go
     gone = set()
     for u in sorted(set(now["units"]) - set(trees), key=len):
         if not any(_inside(g, u) for g in gone):
@@ -146,21 +147,30 @@ def restore(root, trees, manifest_oid, git, index_dir):
 def apply_manifest(root, man):
     now = scan(root)
     P = lambda r: os.path.join(root, r)
+    dirty = set()  # entries created or changed below (their times and their folder's)
+    def touch(r):
+        dirty.add(r)
+        dirty.add(r.rpartition("/")[0])
     for r in sorted(set(now["dirs"]) - set(man["dirs"]), key=len, reverse=True):
         if os.path.isdir(P(r)) and not os.path.islink(P(r)):
             shutil.rmtree(P(r))
+            touch(r)
     for r in sorted(man["dirs"], key=len):
-        _real_dir(root, r)
+        if r not in now["dirs"]:
+            _real_dir(root, r)
+            touch(r)
         if now["dirs"].get(r) != man["dirs"][r]:
             os.chmod(P(r), man["dirs"][r])
     for key in ("nodes", "gitfiles"):
         for r, v in now[key].items():
             if man[key].get(r) != v and os.path.lexists(P(r)):
                 os.unlink(P(r))
+                touch(r)
         for r, v in man[key].items():
             if now[key].get(r) == v:
                 continue
             _rm(P(r))
+            touch(r)
             if key == "nodes":
                 os.mknod(P(r), v[0] | v[1], v[2])
                 os.chmod(P(r), v[1])
@@ -178,6 +188,7 @@ def apply_manifest(root, man):
                 tmp = P(r) + ".branchgym-unlink"
                 shutil.copy2(P(r), tmp)
                 os.replace(tmp, P(r))
+                touch(r)
     for g in man["links"]:
         first = os.lstat(P(g[0]))
         for r in g[1:]:
@@ -185,6 +196,7 @@ def apply_manifest(root, man):
                 tmp = P(r) + ".branchgym-link"
                 os.link(P(g[0]), tmp)
                 os.replace(tmp, P(r))
+                touch(r)
     for r, mode in man["modes"].items():
         if now["modes"].get(r) != mode:
             os.chmod(P(r), mode)
@@ -193,11 +205,15 @@ def apply_manifest(root, man):
             os.chmod(P(r), 0o755 if mode & 0o100 else 0o644)  # git's two modes
     # Times last (everything above touches them); folders deepest first.
     times = man["times"]
-    cur = scan(root)["times"]
+    cur = now["times"]
     for r in sorted(times, key=lambda r: (r in man["dirs"], -r.count("/"))):
-        if cur.get(r, times[r]) != times[r]:
-            st = os.lstat(P(r))
-            os.utime(P(r), ns=(st.st_atime_ns, times[r]), follow_symlinks=False)
+        if r in dirty or cur.get(r) != times[r]:
+            try:
+                st = os.lstat(P(r))
+            except FileNotFoundError:
+                continue
+            if st.st_mtime_ns != times[r]:
+                os.utime(P(r), ns=(st.st_atime_ns, times[r]), follow_symlinks=False)
 '''
 
 _ns: dict[str, Any] = {}
