@@ -387,7 +387,14 @@ class _Container:
 
     def _main_pid(self) -> int:
         api = self.backend.client.api
-        argv = ["cat", "/proc/1/task/1/children"]
+        # Right after the start, init's only child (kernels without the children file:
+        # the process whose parent is init, found in /proc/*/stat).
+        script = (
+            "cat /proc/1/task/1/children 2>/dev/null && exit; for d in /proc/[0-9]*; do "
+            'read -r pid comm state ppid rest < "$d/stat" && [ "$ppid" = 1 ] && echo "$pid"; '
+            "done; true"
+        )
+        argv = ["bash", "-c", script]
         ex = api.exec_create(self.c.id, argv, stdout=True, stderr=False, user="0")
         words = api.exec_start(ex["Id"]).split()
         if len(words) != 1 or not words[0].isdigit():
