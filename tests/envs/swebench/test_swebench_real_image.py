@@ -272,3 +272,26 @@ def test_snapshot_images_forget_how_they_ran_once_released(fixture_task):
     finally:
         sb.close()
     assert owned() == {"containers": [], "images": []}
+
+
+@pytest.mark.docker
+@pytest.mark.slow
+def test_docker_git_mode_on_a_real_image(fixture_task):
+    task = fixture_task
+    env = gym.make(ENV_ID, tasks=[task], backend="docker-git")
+    try:
+        env.reset(options={"instance_id": task.instance_id})
+        digest = env.unwrapped.state_digest()
+        with env.unwrapped.snapshot() as snap:
+            env.step("echo junk >> lrucache/core.py; mkdir -p made/here; git commit -qam junk")
+            env.unwrapped.restore(snap)
+        assert env.unwrapped.state_digest() == digest
+        assert env.step("git log -1 --format=%s; echo $CONDA_DEFAULT_ENV")[0] == (
+            "SWE-bench\ntestbed\n"
+        )
+        env.step(task.extra["branchgym_fix_command"])
+        obs, reward, _, _, info = env.step("submit")
+        assert reward == 1.0 and info["patch"] == task.patch, obs
+    finally:
+        env.close()
+    assert owned() == {"containers": [], "images": []}
