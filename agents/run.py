@@ -231,6 +231,12 @@ class Run:
         self.args = args
         #: Data parallel place (rank 0 of 1 unless launched by torchrun; distributed.py).
         self.dp: DataParallel = data_parallel(args.distributed, args.device)
+        if self.dp.active and args.precision == "bf16":
+            raise TrainingConfigError(
+                "precision=bf16 keeps float32 master weights outside the model, which the "
+                "sharded checkpoints of data parallel runs do not hold yet; under torchrun use "
+                "precision=auto (float32 weights, bf16 autocast on CUDA)."
+            )
         if self.dp.active and args.prompts_per_step < self.dp.world:
             raise TrainingConfigError(
                 f"prompts_per_step={args.prompts_per_step} leaves some of the {self.dp.world} "

@@ -131,3 +131,14 @@ def test_sharded_checkpoint_needs_its_world_size(tmp_path):
     (ck / "trainer_state.json").write_text(json.dumps(state))
     with pytest.raises(CheckpointError, match="nproc-per-node 2"):
         Run(TrainArgs(resume=str(ck), out_dir=str(tmp_path / "run")), "grpo")
+
+
+def test_data_parallel_refuses_what_it_cannot_do(tmp_path, monkeypatch):
+    import branchgym.agents.run as run_module
+    from branchgym.agents.run import Run, TrainArgs
+
+    monkeypatch.setattr(run_module, "data_parallel", lambda *a: DataParallel(0, 2))
+    with pytest.raises(TrainingConfigError, match="precision=auto"):
+        Run(TrainArgs(precision="bf16", out_dir=str(tmp_path)), "grpo")
+    with pytest.raises(TrainingConfigError, match="one prompt per rank"):
+        Run(TrainArgs(prompts_per_step=1, out_dir=str(tmp_path)), "grpo")
