@@ -40,7 +40,9 @@ def register_builtin_envs() -> None:
             ("textworld", "alfworld"),
             ("fast_downward", "alfworld"),
         ),
-        max_episode_steps=40,
+        # ALFWorld's own episode limit (its config's max_steps); the Branching PO paper's
+        # ALFWorld runs use 40: pass max_episode_steps=40 to match them.
+        max_episode_steps=50,
     )
     register(
         "branchgym/SWEBench-v0",

@@ -157,7 +157,7 @@ def _random_success(problems: str, episodes: int, seed: int) -> float:
     import numpy as np
     from tqdm import tqdm
 
-    env = gym.make("branchgym/ALFWorld-v0", problems=problems)
+    env = gym.make("branchgym/ALFWorld-v0", problems=problems, max_episode_steps=40)
     rng = np.random.default_rng(seed)
     won = 0
     try:

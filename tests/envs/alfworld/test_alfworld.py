@@ -256,12 +256,11 @@ def test_expert_replans_from_restored_states(prefer_sas):
 
 
 @needs_engine
-def test_step_limit_is_40_by_default_and_configurable():
+def test_step_limit_is_alfworlds_50_by_default_and_configurable():
     e = gym.make(ID)
     e.reset(seed=0)
-    for _ in range(40):
-        *_, truncated, _ = e.step("look")
-    assert truncated
+    cut = [e.step("look")[3] for _ in range(50)]
+    assert cut == [False] * 49 + [True]
     e.close()
     short = gym.make(ID, max_episode_steps=3)
     short.reset(seed=0)
