@@ -327,7 +327,7 @@ def plan_for_args(args: Any, *, reference: bool, device: str | None = None) -> M
         device = "cuda" if args.device in ("auto", "cuda") else "cpu"
     tokens = args.micro_batch_tokens or FORWARD_TOKENS
     scoring = args.policy == "scoring" or (args.policy == "auto" and args.model == "tiny")
-    return estimate(
+    plan = estimate(
         shape,
         precision=args.precision,
         lora=bool(args.lora_rank),
@@ -337,6 +337,11 @@ def plan_for_args(args: Any, *, reference: bool, device: str | None = None) -> M
         reference=reference,
         device=device,
     )
+    teacher = getattr(args, "teacher", None)
+    if teacher:  # OPD's frozen teacher, loaded in float32 (Run.load_frozen)
+        t = model_shape(teacher)
+        plan.parts.insert(1, ("teacher", t.params * 4, f"{t.params / 1e9:.2f} B x 4 B, frozen"))
+    return plan
 
 
 def measure_peak(fn: Callable[[], Any], *track: Any) -> dict[str, int]:
