@@ -194,11 +194,11 @@ def apply_manifest(root, man):
         for r in g[1:]:
             if os.lstat(P(r)).st_ino != first.st_ino:
                 tmp = P(r) + ".branchgym-link"
-                os.link(P(g[0]), tmp)
+                os.link(P(g[0]), tmp, follow_symlinks=False)
                 os.replace(tmp, P(r))
                 touch(r)
     for r, mode in man["modes"].items():
-        if now["modes"].get(r) != mode:
+        if now["modes"].get(r) != mode and os.path.isfile(P(r)) and not os.path.islink(P(r)):
             os.chmod(P(r), mode)
     for r, mode in now["modes"].items():
         if r not in man["modes"] and os.path.isfile(P(r)) and not os.path.islink(P(r)):

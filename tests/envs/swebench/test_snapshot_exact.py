@@ -11,6 +11,7 @@ import inspect
 import json
 import os
 import shlex
+import shutil
 import stat
 
 import gymnasium as gym
@@ -123,6 +124,33 @@ def test_fifos_hard_links_and_symlinks(sandbox):
         run(sandbox, "readlink dangling outside d/rel")
         == "/nonexistent/x\n/etc/passwd\n../README.md\n"
     )
+
+
+def test_restore_follows_no_link_the_agent_planted(sandbox, tmp_path):
+    # Restore runs as root on the host (git) or in the container (docker-git): names the
+    # agent swapped for symlinks to outside files must not make it write there.
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    (outside / "victim").write_text("v")
+    st = os.lstat(outside / "victim")
+    before = (st.st_nlink, stat.S_IMODE(st.st_mode), "v")
+    run(sandbox, "echo h > h1 && ln h1 h2 && mkdir -p d/e && mkfifo d/p && chmod 600 h1")
+    fp = fingerprint_of(sandbox)
+    snap = sandbox.snapshot()
+    victim = outside / "victim"
+    for name in ("h1", "h2", "d"):
+        target = sandbox.host_dir / name
+        if target.is_dir():
+            shutil.rmtree(target)
+        else:
+            target.unlink()
+        os.symlink(outside if name == "d" else victim, target)
+    sandbox.restore(snap)
+    assert fingerprint_of(sandbox) == fp
+    assert sorted(os.listdir(outside)) == ["victim"]
+    st = os.lstat(victim)
+    assert (st.st_nlink, stat.S_IMODE(st.st_mode), victim.read_text()) == before
+    snap.release()
 
 
 def test_a_write_through_one_name_shows_through_the_others(sandbox):
