@@ -38,8 +38,12 @@ default, turns it on whenever ``WORLD_SIZE > 1``). What each piece does:
   config, the tokenizer and ``trainer_state.json`` (``"sharded": true``, every rank's torch
   RNG state). Resuming needs the same world size and a folder every rank can read.
 
-A run whose ranks crash apart cannot checkpoint collectively, so data parallel runs write
-no ``-crash`` checkpoint; SIGINT/SIGTERM stop every rank at the same step boundary.
+SFT has no prompts to split (its batch comes from a fixed expert set) and evaluation runs
+the fixed evaluation set: every rank does the whole of both, which keeps them exact but
+gains no speed. Averaged metrics are exact when ``prompts_per_step`` divides by the
+number of ranks. A run whose ranks crash apart cannot checkpoint collectively, so data
+parallel runs write no ``-crash`` checkpoint; SIGINT/SIGTERM stop every rank at the same
+step boundary.
 """
 
 from __future__ import annotations
