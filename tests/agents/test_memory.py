@@ -380,3 +380,27 @@ def test_model_shape_counts_parameters_and_lora_from_the_config(tmp_path):
     with pytest.raises(TrainingConfigError, match="lora_targets"):
         model_shape(str(tmp_path), lora_rank=4, lora_targets=("nope",))
     assert json.loads((tmp_path / "config.json").read_text())["model_type"] == "qwen2"
+
+
+@pytest.mark.slow
+def test_bpo_trains_with_every_memory_option_at_once(tmp_path):
+    result = train(
+        "bpo",
+        **TINY,
+        gap_unit="steps",
+        steps=2,
+        beta=0.05,
+        out_dir=str(tmp_path),
+        lora_rank=4,
+        precision="bf16",
+        gradient_checkpointing=True,
+        micro_batch_tokens=256,
+        pack_trees=True,
+    )
+    from safetensors.torch import load_file
+
+    adapters = load_file(str(result.checkpoint / "adapter_model.safetensors"))
+    lora_b = [t for name, t in adapters.items() if "lora_B" in name]
+    assert lora_b and all(bool(t.abs().sum() > 0) for t in lora_b)  # B starts at zero
+    last = result.history[-1]
+    assert last["update/skipped"] == 0.0 and torch.isfinite(torch.tensor(last["grad/norm"]))
