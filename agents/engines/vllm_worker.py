@@ -132,8 +132,10 @@ class VLLMWorker:
         python: The worker's Python (see :func:`find_vllm_python`).
         max_new_tokens: Default cap on sampled tokens.
         llm_kwargs: Keyword arguments of ``vllm.LLM`` (``max_model_len``,
-            ``gpu_memory_utilization``, ``dtype``...). On a machine without CUDA the worker
-            adds ``enforce_eager=True`` (no torch.compile warm-up) unless given.
+            ``gpu_memory_utilization``, ``dtype``...). Unless given, the worker uses
+            ``gpu_memory_utilization=0.3`` and ``dtype="bfloat16"`` on CUDA (the trainer
+            shares the GPU) and ``enforce_eager=True`` without CUDA (no torch.compile
+            warm-up); float32 otherwise.
         startup_timeout: Seconds the worker may take to start.
         log_path: Where the worker's output goes (default: in its temporary folder).
         remove_model: Delete the ``model`` folder on :meth:`close` (a copy made for the
@@ -381,8 +383,13 @@ def serve(model: str, socket_path: str, max_new_tokens: int, llm_kwargs: dict[st
 
     key = bytes.fromhex(os.environ.pop(_KEY_ENV))
     kwargs = dict(llm_kwargs)
-    if not torch.cuda.is_available():
-        kwargs.setdefault("enforce_eager", True)
+    if torch.cuda.is_available():
+        # the trainer shares the GPU: vLLM takes a third of it (weights + KV cache), and
+        # samples in bf16 like the trainer's autocast (vllm_options override both)
+        kwargs.setdefault("gpu_memory_utilization", 0.3)
+        kwargs.setdefault("dtype", "bfloat16")
+    else:
+        kwargs.setdefault("enforce_eager", True)  # no torch.compile warm-up on CPU
     t0 = time.perf_counter()
     eng = VLLMEngine(model, max_new_tokens=max_new_tokens, **kwargs)
     print(f"branchgym vLLM worker: engine up in {time.perf_counter() - t0:.1f} s", flush=True)

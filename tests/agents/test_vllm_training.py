@@ -27,7 +27,7 @@ from branchgym.agents.engines.vllm_worker import (  # noqa: E402
     find_vllm_python,
     state_dict_for_vllm,
 )
-from branchgym.agents.models import load_model, tiny_qwen2  # noqa: E402
+from branchgym.agents.models import load_model  # noqa: E402
 from branchgym.agents.options import args_from_dict  # noqa: E402
 from branchgym.agents.rows import Batch, Decision, Row  # noqa: E402
 from branchgym.agents.train import train  # noqa: E402
@@ -72,7 +72,18 @@ def test_a_bad_vllm_python_says_what_to_pass(tmp_path):
 
 
 def test_tied_weights_are_written_once_under_the_embedding_name():
-    model, _ = tiny_qwen2(hidden_size=32, layers=1)
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    cfg = Qwen2Config(
+        vocab_size=64,
+        hidden_size=16,
+        intermediate_size=32,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        tie_word_embeddings=True,
+    )
+    model = Qwen2ForCausalLM(cfg)
     sd = state_dict_for_vllm(model)
     assert "model.embed_tokens.weight" in sd and "lm_head.weight" not in sd
     assert len(sd) == len(model.state_dict()) - 1
@@ -90,6 +101,38 @@ def test_truncated_importance_weight_scales_each_tokens_advantage():
     batch.rows = [Row(0, 1, 0, [d], 1.0, True)]
     c = batch.chunk([0], [[torch.zeros(3)]])
     assert c.advantages.tolist() == [[2.0, 1.0, 4.0]]
+
+
+def test_behaviour_correction_recomputes_and_caps_the_weight():
+    """The trainer's log-probs replace vLLM's; the ratio's deviation and the TIS weight."""
+    import types
+
+    from branchgym.agents.grpo import Args
+    from branchgym.agents.vllm_training import behaviour_correction
+
+    ctx = Context("branchgym/TextTreeMDP-v0", "", {})
+    mine = torch.tensor([-1.0, -2.0, -0.5, -0.1])
+    shift = np.array([0.0, 0.1, -0.1, 1.0], np.float32)  # trainer minus vLLM, per token
+    mask = np.array([1, 1, 1, 0], np.float32)  # the last token is a copied prefix
+    d = Decision(0, 1, ctx, np.arange(4), mine.numpy() - shift, mask)
+    batch = Batch([])
+    batch.rows = [Row(0, 1, 0, [d], 1.0, True)]
+    args = args_from_dict(Args, {"engine": "vllm", "vllm_logprobs": "tis", "tis_cap": "1.05"})
+    run = types.SimpleNamespace(
+        args=args,
+        model=None,
+        engine=types.SimpleNamespace(stats={"syncs": 3, "sync_s": 0.5}),
+        logprobs=lambda model, rows: ([[mine.clone()] for _ in rows], []),
+    )
+    m = behaviour_correction(run, batch)
+    np.testing.assert_array_equal(d.old_logp, mine.numpy())
+    r = np.exp(shift[:3].astype(np.float64))
+    assert m["vllm/tokens"] == 3
+    assert m["vllm/ratio_absdev"] == pytest.approx(np.abs(r - 1).mean(), rel=1e-5)
+    assert m["vllm/ratio_max_absdev"] == pytest.approx(np.abs(r - 1).max(), rel=1e-5)
+    np.testing.assert_allclose(d.is_weight, np.minimum(np.exp(shift), 1.05), rtol=1e-6)
+    assert m["vllm/tis_truncated"] == pytest.approx(1 / 3)  # exp(0.1) > 1.05
+    assert m["vllm/syncs_total"] == 3
 
 
 # ---------------------------------------------------------------- with the vLLM worker
@@ -171,27 +214,27 @@ def test_learner_trains_with_vllm_generation(worker, start, algo, extra, tmp_pat
             out_dir=str(tmp_path),
             model=str(start),
             engine="vllm",
-            steps=3,
+            steps=2,
             prompts_per_step=2,
             lr=1e-3,
             **GEN,
             **extra,
         )
     steps = [h for h in result.history if "vllm/ratio_absdev" in h]
-    assert len(steps) == 3
+    assert len(steps) == 2
     for h in steps:
         print(
             f"{algo} step {h['step']}: ratio |r-1| mean {h['vllm/ratio_absdev']:.2e} "
             f"max {h['vllm/ratio_max_absdev']:.2e} over {h['vllm/tokens']:.0f} tokens"
         )
-        # step 2 and 3 sampled after an update: vLLM held the updated weights
+        # step 2 sampled after an update: vLLM held the updated weights
         assert h["vllm/ratio_absdev"] < RATIO_TOL and h["vllm/logp_maxdiff"] < 10 * RATIO_TOL
         assert h["grad/norm"] > 0  # every update moved the weights
         if extra.get("vllm_logprobs") == "tis":
             assert abs(h["vllm/tis_weight"] - 1) < RATIO_TOL and h["vllm/tis_truncated"] == 0
     # a sync before the first generation (this run's start), then one after each update
     # that was followed by a generation (the last one syncs below, on the probe)
-    assert worker.stats["syncs"] - syncs == 3
+    assert worker.stats["syncs"] - syncs == 2
     trained, tok = load_model(result.checkpoint)
     first, _ = load_model(start)
     prompt, reply = fixed_sequence(tok)
