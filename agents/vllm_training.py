@@ -163,11 +163,18 @@ def behaviour_correction(run: Any, batch: Batch) -> dict[str, float]:
     rows = [r for r in batch.rows if r.decisions]
     if not rows:
         return {}
-    step = max(1, a.micro_batch_rows or len(rows))
+    budget = getattr(a, "micro_batch_tokens", 0)
+    if budget:  # the forward passes of the update's token budget (memory.py)
+        from branchgym.agents.memory import token_chunks
+
+        groups = [r.group for r in rows]
+        parts = [[rows[i] for i in c] for c in token_chunks(run.row_tokens(rows), groups, budget)]
+    else:
+        step = max(1, a.micro_batch_rows or len(rows))
+        parts = [rows[i : i + step] for i in range(0, len(rows), step)]
     deltas, weights = [], []
-    for i in range(0, len(rows), step):
-        part = rows[i : i + step]
-        lps, _ = run.logprobs(run.model, part)
+    for part in parts:
+        lps, _ = run.logprobs(run.model, part)  # the adapters on, when LoRA trains
         for row, per in zip(part, lps, strict=True):
             for d, lp in zip(row.decisions, per, strict=True):
                 mine = lp.float().cpu().numpy().astype(np.float32)

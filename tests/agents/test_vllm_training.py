@@ -92,6 +92,39 @@ def test_tied_weights_are_written_once_under_the_embedding_name():
     assert sd["model.embed_tokens.weight"].data_ptr() != w.data_ptr()  # a copy
 
 
+def test_lora_adapters_are_merged_into_the_copy_for_vllm():
+    peft = pytest.importorskip("peft")
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    cfg = Qwen2Config(
+        vocab_size=64,
+        hidden_size=16,
+        intermediate_size=32,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        tie_word_embeddings=True,
+    )
+    torch.manual_seed(0)
+    lora = peft.get_peft_model(
+        Qwen2ForCausalLM(cfg),
+        peft.LoraConfig(r=2, lora_alpha=4, target_modules=["q_proj", "down_proj"]),
+    )
+    with torch.no_grad():
+        for name, p in lora.named_parameters():
+            if "lora_B" in name:
+                p.normal_()  # adapters that change the output
+    ids = torch.arange(10)[None]
+    want = lora(ids).logits
+    sd = state_dict_for_vllm(lora)
+    assert not [k for k in sd if "lora" in k or "base_layer" in k or "base_model" in k]
+    plain = Qwen2ForCausalLM(cfg)
+    missing, unexpected = plain.load_state_dict(sd, strict=False)
+    assert missing == ["lm_head.weight"] and not unexpected  # tied: the embedding's
+    torch.testing.assert_close(plain(ids).logits, want, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(lora(ids).logits, want)  # unmerged again, still training
+
+
 def test_truncated_importance_weight_scales_each_tokens_advantage():
     ctx = Context("branchgym/TextTreeMDP-v0", "", {})
     d = Decision(0, 1, ctx, np.arange(3), np.zeros(3, np.float32), np.ones(3, np.float32))
