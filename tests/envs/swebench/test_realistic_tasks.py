@@ -1,0 +1,191 @@
+"""The realistic task set (real PyPI projects) and the per-repository environments."""
+
+import json
+import re
+import subprocess
+import sys
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+
+from branchgym.envs.swebench.env import SWEBenchEnv
+from branchgym.envs.swebench.generated import (
+    REALISTIC_DIR,
+    load_realistic_defs,
+    realistic_repos,
+    realistic_tasks,
+    task_set,
+)
+from branchgym.envs.swebench.grading import grade
+from branchgym.envs.swebench.local import LocalBackend
+from branchgym.envs.swebench.repo_env import repo_environment
+from branchgym.envs.swebench.tasks import SWEBenchTask, ensure_checkout
+from branchgym.error import DataError, RepoEnvironmentError
+
+
+@pytest.fixture(scope="module")
+def real_tasks():
+    return realistic_tasks()
+
+
+@pytest.fixture(scope="module")
+def real_checkout():
+    repos = realistic_repos()
+    return lambda task: ensure_checkout(task, repos)
+
+
+def test_at_least_twenty_tasks_from_several_licensed_projects():
+    defs = load_realistic_defs()
+    assert len(defs) >= 20
+    projects = {td.project for td in defs}
+    assert len(projects) >= 5
+    for td in defs:
+        assert td.license in {"MIT", "BSD-3-Clause", "Apache-2.0", "PSF-2.0"}
+        assert any(re.fullmatch(r"LICEN[CS]E(\.txt)?", p) for p in td.upstream), td.project
+        assert td.fail_to_pass and td.pass_to_pass
+        # The held-back tests are not in the base commit; the test patch brings them.
+        for test in td.fail_to_pass:
+            name = test.split("::")[-1].split("[")[0]
+            path = test.split("::")[0]
+            assert f"def {name}(" not in td.base_files()[path]
+            assert f"def {name}(" in td.upstream[path]
+
+
+def test_records_are_in_swebench_format(real_tasks, real_checkout):
+    for task in real_tasks:
+        rec = task.to_record()
+        assert re.fullmatch(r"[\w.-]+__[\w.-]+-\d+", rec["instance_id"])
+        assert rec["repo"].replace("/", "__") == rec["instance_id"].rsplit("-", 1)[0]
+        for key in ("FAIL_TO_PASS", "PASS_TO_PASS"):
+            assert isinstance(rec[key], str) and json.loads(rec[key])
+        assert re.fullmatch(r"[0-9a-f]{40}", rec["base_commit"])
+        assert rec["environment_setup_commit"] and rec["created_at"] and rec["version"]
+        assert rec["patch"].startswith("diff --git") and rec["test_patch"].startswith("diff --git")
+        # The issue reads like a report: none of the fix's added lines is in it.
+        added = [ln[1:].strip() for ln in rec["patch"].splitlines() if ln.startswith("+ ")]
+        assert not [a for a in added if len(a) > 12 and a in rec["problem_statement"]]
+    # The base commit has no history the agent could read the fix from.
+    checkout = real_checkout(real_tasks[0])
+    log = subprocess.run(
+        ["git", "rev-list", "--count", "HEAD"], cwd=checkout, capture_output=True, text=True
+    )
+    assert log.stdout.strip() == "1"
+
+
+def test_task_sets_by_name():
+    assert task_set("realistic").parent.name.startswith("realistic-")
+    with pytest.raises(DataError, match="realistic"):
+        task_set("nope")
+    env = SWEBenchEnv(tasks="realistic", instance_ids=["benjaminp__six-1"])
+    try:
+        assert [t.instance_id for t in env.tasks] == ["benjaminp__six-1"]
+    finally:
+        env.close()
+
+
+def test_load_realistic_defs_names_the_missing_file(tmp_path):
+    (tmp_path / "tasks.json").write_text(json.dumps({"order": ["six/1"]}))
+    with pytest.raises(DataError, match="project.json"):
+        load_realistic_defs(tmp_path)
+    assert load_realistic_defs(REALISTIC_DIR)
+
+
+def _cachetools(real_tasks):
+    return next(t for t in real_tasks if t.repo == "tkem/cachetools")
+
+
+@pytest.mark.slow
+def test_repo_env_installs_src_layout_once_and_tests_run_in_it(real_tasks, real_checkout):
+    task = _cachetools(real_tasks)
+    checkout = real_checkout(task)
+    env = repo_environment(task, checkout)
+    marker = env.prefix.parent / "env.json"
+    stamp = marker.stat().st_mtime_ns
+    again = repo_environment(task, checkout)
+    assert again == env and marker.stat().st_mtime_ns == stamp  # built once, reused
+    assert env.roots == ("src",)
+    site = next(env.prefix.glob("lib/python*/site-packages"))
+    pth = "".join(p.read_text() for p in site.glob("__editable__*"))
+    assert "/testbed/src" in pth and str(checkout) not in pth
+    backend = LocalBackend()
+    sb = backend.create(task, checkout)
+    try:
+        res = sb.exec(
+            "python3 -c 'import cachetools, sys; print(cachetools.__file__); print(sys.prefix)'"
+        )
+        out = res.output.decode()
+        assert res.exit_code == 0, out
+        assert "/testbed/src/cachetools/__init__.py" in out
+        assert str(env.prefix) in out
+        # The venv is read-only inside the sandbox.
+        res = sb.exec(f"touch {env.prefix}/x")
+        assert res.exit_code != 0 or backend.runner.isolation == "none"
+    finally:
+        sb.close()
+
+
+def test_host_python_env_keeps_branchgyms_interpreter(real_tasks, real_checkout):
+    task = _cachetools(real_tasks)
+    backend = LocalBackend(python_env="host")
+    sb = backend.create(task, real_checkout(task))
+    try:
+        out = sb.exec("python3 -c 'import sys; print(sys.prefix)'").output.decode()
+        assert out.strip() == sys.prefix
+    finally:
+        sb.close()
+
+
+@pytest.mark.slow
+def test_missing_dependency_is_a_typed_error_naming_the_fix(tmp_path):
+    proj = tmp_path / "proj"
+    (proj / "needy").mkdir(parents=True)
+    (proj / "needy" / "__init__.py").write_text("")
+    (proj / "setup.py").write_text(
+        "from setuptools import setup\n"
+        "setup(name='needy', version='1.0', packages=['needy'],\n"
+        "      install_requires=['branchgym-no-such-distribution>=1'])\n"
+    )
+    task = SWEBenchTask(
+        instance_id="octo__needy-1",
+        repo="octo/needy",
+        base_commit="a" * 40,
+        problem_statement="",
+        patch="",
+        test_patch="",
+        fail_to_pass=(),
+        pass_to_pass=(),
+        version="1.0",
+    )
+    with pytest.raises(RepoEnvironmentError, match="branchgym-no-such-distribution.*python_env"):
+        repo_environment(task, proj, root=tmp_path / "envs")
+
+
+@pytest.mark.slow
+def test_gold_patch_resolves_every_task_and_wrong_patch_none(real_tasks, real_checkout):
+    backend = LocalBackend()
+    for task in real_tasks:  # environments first (once per repository and version)
+        backend.runner_for(task, real_checkout(task))
+
+    def run(task: SWEBenchTask, which: str) -> tuple[str, str, bool]:
+        patch = task.patch if which == "gold" else task.extra["branchgym_wrong_patch"]
+        sb = backend.create(task, real_checkout(task))
+        try:
+            report = grade(sb, task, patch, timeout=300)
+        finally:
+            sb.close()
+        return task.instance_id, which, report.resolved
+
+    jobs = [(t, w) for t in real_tasks for w in ("gold", "wrong")]
+    with ThreadPoolExecutor(max_workers=4) as pool:
+        results = list(pool.map(lambda j: run(*j), jobs))
+    wrong_verdicts = {(i, w): r for i, w, r in results if r != (w == "gold")}
+    assert not wrong_verdicts, wrong_verdicts
+    assert len(results) == 2 * len(real_tasks) >= 40
+
+
+def test_realistic_task_ids_are_unique_and_stable():
+    ids = [td.instance_id for td in load_realistic_defs()]
+    assert len(ids) == len(set(ids))
+    assert "benjaminp__six-1" in ids and "tkem__cachetools-1" in ids
+    assert Path(REALISTIC_DIR, "six", "upstream", "LICENSE").is_file()
