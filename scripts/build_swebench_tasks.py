@@ -135,6 +135,9 @@ def build_task(project: dict, upstream: dict[str, str], task: dict, issue: str) 
         by_file.setdefault(t.split("::")[0], set()).add(test_name(t))
     for path, names in by_file.items():
         base[path] = remove_tests(base[path], names)
+    # The harness runs the test patch's files only: the lists are computed on those.
+    tests = [f for f in tests if base[f] != upstream[f]]
+    on_buggy = run_tests(buggy, roots, tests)
     on_base = run_tests(base, roots, tests)
     bad = sorted(
         t for t, s in on_base.items() if s in ("FAILED", "ERROR") and clean.get(t) == "PASSED"
@@ -143,8 +146,13 @@ def build_task(project: dict, upstream: dict[str, str], task: dict, issue: str) 
         raise SystemExit(f"{where}: the base commit's own tests fail: {bad[:5]}")
     # Gold patch: the base's sources back to upstream; test patch: the upstream tests.
     fix = [[p, new, old] for p, old, new in task["mutation"]]
+    if not all(new for _, _, new in task["mutation"]):
+        raise SystemExit(f"{where}: a mutation must keep some context (its fix needs an anchor)")
+    fixed = replace(buggy, fix, f"{where} fix")
+    if fixed != upstream:
+        raise SystemExit(f"{where}: the gold patch does not restore upstream's sources")
     wrong_files = replace(buggy, task["wrong"], f"{where} wrong")
-    after = clean
+    after = run_tests(fixed, roots, tests)
     wrong = run_tests(wrong_files, roots, tests)
     f2p = sorted(t for t in broken if after.get(t) == "PASSED")
     p2p = sorted(t for t, s in on_buggy.items() if s == "PASSED" and after.get(t) == "PASSED")

@@ -54,6 +54,11 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-new-tokens", type=int, default=24)
     parser.add_argument("--threads", type=int, default=1, help="torch CPU threads (default 1)")
     parser.add_argument("--quick", action="store_true", help="2 trees per setup")
+    parser.add_argument(
+        "--swebench-tasks",
+        default="generated",
+        help="SWE-bench task set: generated (12 toys) or realistic (20 real-project tasks)",
+    )
 
 
 def _grow(
@@ -183,6 +188,9 @@ def main(args: argparse.Namespace) -> int:
     teacher = policy.teacher_hook(t_engine)
 
     envs = {e: ENVS.get(e, {}) for e in args.envs} if args.envs else dict(ENVS)
+    if "branchgym/SWEBench-v0" in envs:
+        tasks = getattr(args, "swebench_tasks", "generated")
+        envs["branchgym/SWEBench-v0"] = {**envs["branchgym/SWEBench-v0"], "tasks": tasks}
     from branchgym.registration import branch_spec
 
     for env_id in list(envs):  # adapters whose extra is not installed are left out, loudly

@@ -47,6 +47,11 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--envs", nargs="*", default=None, help="env ids to measure (default: all)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--quick", action="store_true", help="fewer repeats and depths (CI)")
+    parser.add_argument(
+        "--swebench-tasks",
+        default="generated",
+        help="SWE-bench task set: generated (12 toys) or realistic (20 real-project tasks)",
+    )
 
 
 def _walk_to_depth(env: gym.Env, seed: int, depth: int) -> tuple[list[Any], float]:
@@ -137,12 +142,12 @@ def measure_env(
     }
 
 
-def _bench_kwargs(env_id: str) -> dict[str, Any]:
+def _bench_kwargs(env_id: str, tasks: str = "generated") -> dict[str, Any]:
     """SWE-bench acts through shell commands: random text would change no file."""
     if env_id == "branchgym/SWEBench-v0":
         from branchgym.envs.swebench.env import PROBE_ACTIONS
 
-        return {"suggested_actions": PROBE_ACTIONS}
+        return {"suggested_actions": PROBE_ACTIONS, "tasks": tasks}
     return {}
 
 
@@ -160,7 +165,7 @@ def section_registered(report: Report, args: argparse.Namespace) -> None:
             )
             continue
         try:
-            kw = _bench_kwargs(spec.id)
+            kw = _bench_kwargs(spec.id, getattr(args, "swebench_tasks", "generated"))
             env, other = gym.make(spec.id, **kw), gym.make(spec.id, **kw)
         except Exception as exc:  # report, never hide, an env that cannot be built
             rows.append([spec.id, "-", "-", "-", "-", "-", "-", "-", f"make failed: {exc}"[:80]])

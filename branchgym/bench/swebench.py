@@ -241,8 +241,11 @@ def _section_tasks(report: Report, args: argparse.Namespace, repeats: int) -> No
     rows = []
     backends = ["overlay"] if overlay_support()[0] else []
     backends.append("git")
+    task_set = getattr(args, "swebench_tasks", "generated")
+    n_tasks = 0
     for backend in backends:
-        env = gym.make("branchgym/SWEBench-v0", backend=backend)
+        env = gym.make("branchgym/SWEBench-v0", backend=backend, tasks=task_set)
+        n_tasks = len(env.unwrapped.tasks)
         snap_t, rest_t, fork_t, disk = [], [], [], []
         try:
             for task in tqdm(env.unwrapped.tasks, desc=f"tasks ({backend})", leave=False):
@@ -275,9 +278,9 @@ def _section_tasks(report: Report, args: argparse.Namespace, repeats: int) -> No
             "snapshot": s.__dict__, "restore": r.__dict__, "fork": f.__dict__,
         }  # fmt: skip
     report.add(
-        "## SWE-bench: the generated tasks through the env\n\nAfter the fix is applied: "
+        f"## SWE-bench: the {task_set} tasks through the env\n\nAfter the fix is applied: "
         "`env.snapshot()` (sandbox + tracked cwd/env), a change, `env.restore()`, and a "
-        f"sandbox `fork()`; all 12 tasks pooled. *vs source* = {SOURCE_MS:,.0f} ms / "
+        f"sandbox `fork()`; all {n_tasks} tasks pooled. *vs source* = {SOURCE_MS:,.0f} ms / "
         "(snapshot + restore)."
     )
     print(
