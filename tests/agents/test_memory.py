@@ -205,6 +205,7 @@ def test_gradient_checkpointing_recomputes_layers_in_train_mode_with_equal_grads
 # ------------------------------------------------------------------ LoRA, bf16, checkpoints
 
 
+@pytest.mark.slow
 def test_lora_reference_is_the_base_model_and_only_adapters_train(tmp_path):
     run = Run(
         bpo.Args(**TINY, gap_unit="steps", beta=0.05, lora_rank=4, out_dir=str(tmp_path)),
@@ -275,6 +276,7 @@ def test_bf16_parameters_train_through_float32_masters():
     assert p.dtype == torch.bfloat16
 
 
+@pytest.mark.slow
 def test_save_optimizer_false_leaves_the_optimizer_out(tmp_path):
     result = train("grpo", **TINY, steps=1, n=2, out_dir=str(tmp_path), save_optimizer=False)
     assert not (result.checkpoint / "optimizer.safetensors").exists()
@@ -285,6 +287,7 @@ def test_save_optimizer_false_leaves_the_optimizer_out(tmp_path):
 # ------------------------------------------------------------------ the memory model
 
 
+@pytest.mark.slow
 def test_estimate_is_within_tolerance_of_measured_peaks():
     """Estimated vs measured (torch's MemTracker) peak of one forward/backward, float32
     on CPU, on a shape the activation coefficients were not fitted on: within -15%/+50%.
