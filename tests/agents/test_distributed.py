@@ -62,14 +62,16 @@ def _dcp_model(folder: Path, tmp: Path) -> dict:
 
 @pytest.mark.slow
 def test_two_gloo_ranks_equal_one_process_and_resume_from_shards(tmp_path):
+    from branchgym.agents.models import save_tiny_qwen2
     from branchgym.agents.train import train
     from safetensors.torch import load_file
 
+    model = str(save_tiny_qwen2(tmp_path / "tiny"))  # one tokenizer build, not one per rank
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     env.pop("WORLD_SIZE", None)
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node"]
     done = subprocess.run(
-        [*cmd, "2", str(WORKER), str(tmp_path)],
+        [*cmd, "2", str(WORKER), str(tmp_path), model],
         env=env,
         capture_output=True,
         text=True,
@@ -83,7 +85,7 @@ def test_two_gloo_ranks_equal_one_process_and_resume_from_shards(tmp_path):
     finally:
         sys.path.remove(str(WORKER.parent))
     single = tmp_path / "single"
-    train("grpo", **OPTIONS, distributed="off", out_dir=str(single))
+    train("grpo", **OPTIONS, model=model, distributed="off", out_dir=str(single))
 
     # the same batch, the same loss and gradient, step by step
     one, two = _lines(single / "metrics.jsonl"), _lines(tmp_path / "full" / "metrics.jsonl")
