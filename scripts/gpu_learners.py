@@ -17,8 +17,9 @@ saved model through ``branchgym.agents.train.train`` on TextTreeMDP with free ge
 once per engine (``--engines hf vllm``: ``vllm`` needs the trainer's ``engine`` option).
 For each it prints the time per step, tokens per second, peak memory (CUDA:
 ``torch.cuda.max_memory_allocated``; CPU: the peak resident set sampled while the learner
-ran), the memory model's estimate when ``branchgym.agents.memory`` is installed, and the
-share of replies that did not parse. Memory is freed between learners.
+ran; with ``vllm`` the worker process's memory is not in it), the memory model's estimate
+of the trainer (``branchgym.agents.memory``, when installed), the share of replies that did
+not parse and the share of nonzero advantages. Memory is freed between learners.
 
 ::
 
