@@ -161,7 +161,7 @@ def behaviour_correction(run: Any, batch: Batch) -> dict[str, float]:
     """
     a = run.args
     rows = [r for r in batch.rows if r.decisions]
-    if not rows:
+    if not rows or getattr(run, "algo", None) == "sft":  # SFT's replies are not sampled
         return {}
     budget = getattr(a, "micro_batch_tokens", 0)
     if budget:  # the forward passes of the update's token budget (memory.py)
