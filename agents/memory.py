@@ -137,19 +137,25 @@ def _config(name: str) -> tuple[Any, str]:
     folder = Path(name)
     if (folder / "config.json").is_file():
         return AutoConfig.from_pretrained(folder), str(folder / "config.json")
+    from branchgym.agents.hub import is_hub_id, resolve_hub_id
+
+    if is_hub_id(str(name)):
+        try:  # a Hub id in the local Hugging Face cache (offline)
+            cached = resolve_hub_id(str(name))
+            return AutoConfig.from_pretrained(cached), f"{name} (Hugging Face cache)"
+        except (DataError, OSError, ValueError):
+            if str(name) not in SHAPES:
+                raise
     if str(name) in SHAPES:
         values = dict(SHAPES[str(name)])
         model_type = values.pop("model_type")
         cls = type(AutoConfig.for_model(model_type))
         config: PretrainedConfig = cls(**values)
         return config, f"{name} (built-in shape, agents/memory.py SHAPES)"
-    try:  # a Hub id in the local Hugging Face cache (offline)
-        return AutoConfig.from_pretrained(str(name), local_files_only=True), f"{name} (HF cache)"
-    except (OSError, ValueError) as exc:
-        raise DataError(
-            f"no config for model {name!r}: give 'tiny', a model folder with config.json, a "
-            f"Hub id in the local Hugging Face cache, or one of {', '.join(sorted(SHAPES))}."
-        ) from exc
+    raise DataError(
+        f"no config for model {name!r}: give 'tiny', a model folder with config.json, a "
+        f"Hub id in the local Hugging Face cache, or one of {', '.join(sorted(SHAPES))}."
+    )
 
 
 def model_shape(name: str, *, lora_rank: int = 0, lora_targets: Sequence[str] = ()) -> ModelShape:

@@ -235,6 +235,8 @@ def load_model(name: str | os.PathLike[str], *, dtype: Any = None) -> tuple[Any,
 
     # a Hub id (org/name[@revision]) comes from the local Hugging Face cache, offline
     folder = resolve_hub_id(str(name)) if is_hub_id(str(name)) else Path(name)
+    if not (folder / "config.json").exists() and (folder / "adapter_config.json").is_file():
+        return _merged_lora(folder, dtype)
     if not (folder / "config.json").exists():
         raise DataError(
             f"{folder} is not a model folder (no config.json); give 'tiny', 'smollm2', a "
@@ -298,3 +300,29 @@ def add_lora(model: Any, *, rank: int, alpha: float, targets: Any) -> Any:
         task_type="CAUSAL_LM",
     )
     return peft.get_peft_model(model, config, autocast_adapter_dtype=True)
+
+
+def _merged_lora(folder: Path, dtype: Any) -> tuple[Any, Any]:
+    """A LoRA checkpoint (adapters only) as a plain model: its base with them merged in."""
+    import json
+
+    state = folder / "trainer_state.json"
+    if state.is_file():
+        base = json.loads(state.read_text())["args"]["model"]
+    else:
+        base = json.loads((folder / "adapter_config.json").read_text()).get(
+            "base_model_name_or_path"
+        )
+    if not base:
+        raise DataError(
+            f"{folder} holds LoRA adapters but names no base model; load the base with "
+            "load_model and the adapters with peft.PeftModel.from_pretrained."
+        )
+    try:
+        from peft import PeftModel
+    except ImportError as exc:
+        raise DependencyMissingError.for_extra("Loading LoRA adapters", "llm", "peft") from exc
+    model, tok = load_model(base, dtype=dtype)
+    model = PeftModel.from_pretrained(model, folder).merge_and_unload()
+    model.eval()
+    return model, tok

@@ -22,6 +22,7 @@ from branchgym.agents.memory import (  # noqa: E402
     model_shape,
     token_chunks,
 )
+from branchgym.agents.models import load_model  # noqa: E402
 from branchgym.agents.run import Batch, Run  # noqa: E402
 from branchgym.agents.train import train  # noqa: E402
 
@@ -258,6 +259,16 @@ def test_lean_checkpoints_resume_exactly(options, files, absent, tmp_path):
     b = next(h for h in resumed.history if h["step"] == 2)
     assert a["losses/policy_loss"] == b["losses/policy_loss"]
     assert a["grad/norm"] == b["grad/norm"]
+    # a LoRA checkpoint loads as a model too: its base with the adapters merged in
+    m1, _ = load_model(straight.checkpoint)
+    m2, _ = load_model(resumed.checkpoint)
+    assert not hasattr(m1, "peft_config")
+    if "lora_rank" in options:  # the merged adapters moved the base weights
+        base, _ = load_model("tiny")
+        pairs = zip(m1.parameters(), base.parameters(), strict=True)
+        assert any(not torch.equal(p, q) for p, q in pairs)
+    for (n, p), q in zip(m1.named_parameters(), m2.parameters(), strict=True):
+        assert torch.equal(p, q), n
 
 
 def test_bf16_parameters_train_through_float32_masters():
