@@ -125,6 +125,18 @@ def test_repo_env_installs_src_layout_once_and_tests_run_in_it(real_tasks, real_
         sb.close()
 
 
+@pytest.mark.slow
+def test_unisolated_commands_import_the_sandboxs_own_sources(real_tasks, real_checkout):
+    task = _cachetools(real_tasks)
+    sb = LocalBackend("git", isolation="none").create(task, real_checkout(task))
+    try:
+        res = sb.exec("python3 -c 'import cachetools; print(cachetools.__file__)'")
+        assert res.exit_code == 0, res.text
+        assert res.text.strip() == str(sb.host_dir / "src" / "cachetools" / "__init__.py")
+    finally:
+        sb.close()
+
+
 def test_host_python_env_keeps_branchgyms_interpreter(real_tasks, real_checkout):
     task = _cachetools(real_tasks)
     backend = LocalBackend(python_env="host")
