@@ -300,8 +300,9 @@ def test_save_optimizer_false_leaves_the_optimizer_out(tmp_path):
 
 @pytest.mark.slow
 def test_estimate_is_within_tolerance_of_measured_peaks():
-    """Estimated vs measured (torch's MemTracker) peak of one forward/backward, float32
-    on CPU, on a shape the activation coefficients were not fitted on: within -15%/+50%.
+    """Estimated vs measured (torch's MemTracker) peak of one forward/backward, bfloat16
+    and float32 on CPU, on a shape the activation coefficients were not fitted on: within
+    -15%/+50% (measured when written: x1.11-1.32, the estimate errs high).
     """
     from branchgym.agents.forward import packed_forward
     from transformers import Qwen2Config, Qwen2ForCausalLM
@@ -318,8 +319,10 @@ def test_estimate_is_within_tolerance_of_measured_peaks():
     torch.manual_seed(0)
     tokens, targets = 768, 256
     ids = torch.randint(0, config.vocab_size, (tokens,)).tolist()
-    for ckpt, masked in ((False, False), (True, False), (False, True)):
-        model = Qwen2ForCausalLM(config)
+    cases = [("bf16", 0, 0), ("bf16", 1, 0), ("fp32", 0, 0), ("fp32", 1, 0), ("fp32", 0, 1)]
+    for precision, ckpt, masked in cases:
+        dtype = torch.bfloat16 if precision == "bf16" else torch.float32
+        model = Qwen2ForCausalLM(config).to(dtype)
         if ckpt:
             model.gradient_checkpointing_enable(
                 gradient_checkpointing_kwargs={"use_reentrant": False}
@@ -340,17 +343,18 @@ def test_estimate_is_within_tolerance_of_measured_peaks():
         shape = model_shape_of(config)
         plan = estimate(
             shape,
-            precision="fp32",
-            gradient_checkpointing=ckpt,
+            precision=precision,
+            gradient_checkpointing=bool(ckpt),
             tokens=tokens,
             targets=targets,
-            masked=masked,
+            masked=bool(masked),
             device="cpu",
         )
-        expected = plan.total - plan.get("AdamW state")
-        assert 0.85 * measured <= expected <= 1.5 * measured, (ckpt, masked, measured, expected)
+        optimizer = ("AdamW state", "master weights")  # not held in forward/backward
+        expected = plan.total - sum(b for n, b, _ in plan.parts if n in optimizer)
+        assert 0.85 * measured <= expected <= 1.5 * measured, (precision, ckpt, masked)
 
-    # the optimizer state is exact: two float32 moments per parameter
+    # the optimizer state is exact: two float32 moments per parameter (the last model's)
     opt = torch.optim.AdamW(model.parameters())
     opt.step()
     state = sum(
