@@ -599,17 +599,15 @@ class SWEBenchEnv(SnapshottableEnv[str, str]):
                 "a new snapshot."
             )
         saved.sandbox.check()
-        same_task = self.task is not None and self.task.instance_id == saved.task_id
-        if (
-            self.sandbox is not None
-            and self.sandbox.backend == saved.sandbox.backend
-            and (same_task or self.backend_name not in _LOCAL)
-        ):
+        task = self._by_id[saved.task_id]
+        if self.sandbox is not None and self.sandbox.backend == saved.sandbox.backend:
             self.sandbox.restore(saved.sandbox)
+            if self.backend_name in _LOCAL and (self.task is None or self.task is not task):
+                # Another task's state: its commands run in that task's environment.
+                self.sandbox.runner = self.backend.runner_for(task, self._checkout(task))
         else:
             self._close_sandbox()
             if self.backend_name in _LOCAL:  # in the task's own environment (repo_env)
-                task = self._by_id[saved.task_id]
                 self.sandbox = self.backend.from_snapshot(
                     saved.sandbox, task=task, checkout=self._checkout(task)
                 )

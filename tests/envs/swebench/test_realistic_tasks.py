@@ -137,6 +137,23 @@ def test_unisolated_commands_import_the_sandboxs_own_sources(real_tasks, real_ch
         sb.close()
 
 
+@pytest.mark.slow
+def test_restoring_another_tasks_snapshot_switches_its_environment():
+    env = SWEBenchEnv(tasks="realistic", instance_ids=["benjaminp__six-1", "tkem__cachetools-1"])
+    try:
+        env.reset(options={"instance_id": "benjaminp__six-1"})
+        snap = env.snapshot()
+        env.reset(options={"instance_id": "tkem__cachetools-1"})
+        obs, *_ = env.step("python3 -c 'import sys; print(sys.prefix)'")
+        assert "tkem__cachetools" in obs
+        env.restore(snap)
+        obs, *_ = env.step("python3 -c 'import sys; print(sys.prefix)'")
+        assert "benjaminp__six" in obs
+        snap.release()
+    finally:
+        env.close()
+
+
 def test_host_python_env_keeps_branchgyms_interpreter(real_tasks, real_checkout):
     task = _cachetools(real_tasks)
     backend = LocalBackend(python_env="host")
