@@ -147,6 +147,17 @@ def _sets(args: argparse.Namespace) -> int:
     return 0 if same or not args.check else 1
 
 
+#: Short column names of the task types, in TASK_TYPES order.
+_SHORT = {
+    "pick_and_place_simple": "simple",
+    "look_at_obj_in_light": "light",
+    "pick_clean_then_place_in_recep": "clean",
+    "pick_heat_then_place_in_recep": "heat",
+    "pick_cool_then_place_in_recep": "cool",
+    "pick_two_obj_and_place": "two",
+}
+
+
 def _span(d: dict[str, float], fmt: str = "{:.1f}") -> str:
     return f"{fmt.format(d['mean'])} ({d['min']:.0f}-{d['max']:.0f})"
 
@@ -228,7 +239,7 @@ def _stats(args: argparse.Namespace) -> int:
                 "set",
                 *(f"receptacles, {r}" for r in rooms),
                 "expert plan length",
-                f"task mix ({', '.join(t.split('_')[0] for t in TASK_TYPES)}); random success",
+                f"task mix ({', '.join(_SHORT[t] for t in TASK_TYPES)}); random success",
                 *(["hand-coded expert success (mean steps when won)"] if args.handcoded else []),
             ],
             [r if len(r) == 7 + args.handcoded else [*r, ""] for r in rows],
