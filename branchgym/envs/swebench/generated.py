@@ -421,7 +421,7 @@ def load_realistic_defs(
 
 
 def _realistic_fingerprint(defs: tuple[RealisticTaskDef, ...]) -> str:
-    h = hashlib.sha256(json.dumps([FORMAT_VERSION, REALISTIC_TEST_CMD]).encode())
+    h = hashlib.sha256(json.dumps([FORMAT_VERSION, REALISTIC_TEST_CMD, 2]).encode())
     for td in defs:
         h.update(json.dumps(dataclasses.astuple(td), sort_keys=True).encode())
     return h.hexdigest()[:12]
@@ -439,13 +439,15 @@ def _build_realistic(defs: tuple[RealisticTaskDef, ...], repos: Path) -> list[di
             _git(repo, "add", "-A")
             _git(repo, "commit", "-q", "-m", f"{td.project} {td.version} (upstream sdist)")
             made.add(td.repo)
-        # Each base commit is a root commit: its history must not hold the working
-        # function (upstream's tree) the agent could read the fix from.
+        # Each task's history is its own: a root commit with the base tree (no commit
+        # holds the working function the agent could read the fix from), then an empty
+        # base commit, so `git show` (the eval script prints it) stays a few lines.
         _git(repo, "checkout", "-q", "--orphan", f"task-{td.number}", "main")
         _git(repo, "rm", "-rq", "--cached", ".")
         _write(repo, {".gitignore": _GITIGNORE, **td.base_files()})
         _git(repo, "add", "-A")
-        _git(repo, "commit", "-q", "-m", f"{td.project} {td.version}")
+        _git(repo, "commit", "-q", "-m", f"Import {td.project} {td.version}")
+        _git(repo, "commit", "-q", "--allow-empty", "-m", f"Start {td.instance_id}")
         base = _git(repo, "rev-parse", "HEAD").strip()
         upstream_tests = {p: td.upstream[p] for p in td.test_files}
         task = SWEBenchTask(

@@ -65,12 +65,13 @@ def test_records_are_in_swebench_format(real_tasks, real_checkout):
         # The issue reads like a report: none of the fix's added lines is in it.
         added = [ln[1:].strip() for ln in rec["patch"].splitlines() if ln.startswith("+ ")]
         assert not [a for a in added if len(a) > 12 and a in rec["problem_statement"]]
-    # The base commit has no history the agent could read the fix from.
+    # The base commit has no history the agent could read the fix from: every commit
+    # holds the base tree.
     checkout = real_checkout(real_tasks[0])
-    log = subprocess.run(
-        ["git", "rev-list", "--count", "HEAD"], cwd=checkout, capture_output=True, text=True
-    )
-    assert log.stdout.strip() == "1"
+    trees = subprocess.run(
+        ["git", "log", "--format=%T"], cwd=checkout, capture_output=True, text=True, check=True
+    ).stdout.split()
+    assert len(trees) == 2 and len(set(trees)) == 1
 
 
 def test_task_sets_by_name():
