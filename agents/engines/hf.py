@@ -93,7 +93,9 @@ class HFEngine:
         max_new_tokens: Default cap on sampled tokens per completion.
         stop_token_ids: Tokens that end a completion (default: the tokenizer's eos).
         reuse_prefix: Prefill a shared prompt once for its n samples (default True).
-        prefix_cache_entries: Prefilled contexts kept for later calls (0 disables).
+        prefix_cache_entries: Prefilled contexts kept for later calls (0 disables); a
+            batched call keeps at least one per prompt it decoded, so every line's next
+            turn prefills only its new tokens.
         topk: k of the top-k entropy estimate (20).
         threads: CPU threads for torch (``torch.set_num_threads``; process-wide). One
             thread is fastest for tiny models on a shared CPU; None leaves torch's choice.
@@ -136,6 +138,7 @@ class HFEngine:
         self.prefix_cache_entries = int(prefix_cache_entries)
         self.topk = int(topk)
         self.batch_prompts = bool(batch_prompts)
+        self._working_set = 0  # prompts in the latest batched call (the LRU keeps as many)
         self._cache: collections.OrderedDict[tuple[int, ...], tuple[Any, torch.Tensor]] = (
             collections.OrderedDict()
         )
@@ -172,7 +175,9 @@ class HFEngine:
             return
         self._cache[ids] = (copy.deepcopy(cache), logits)
         self._cache.move_to_end(ids)
-        while len(self._cache) > self.prefix_cache_entries:
+        # at least one entry per prompt of the latest batched call: each line's next prompt
+        # extends its current one, so a smaller LRU would evict what the next turn reads
+        while len(self._cache) > max(self.prefix_cache_entries, self._working_set):
             self._cache.popitem(last=False)
 
     def _forward(self, ids: torch.Tensor, cache: Any) -> tuple[torch.Tensor, Any]:
@@ -384,6 +389,7 @@ class HFEngine:
             if not prompt:
                 raise EngineError("an empty prompt cannot be continued; give at least one token")
             self._check_length(len(prompt) + len(prefix), limit)
+        self._working_set = len(jobs)
         opened = [self._open(p, f) for p, f, _, _ in jobs]
         lens = [len(p) + len(f) for p, f, _, _ in jobs]
         counts = [k for _, _, k, _ in jobs]

@@ -17,6 +17,18 @@ hits all of them alike:
 
 The target of issue #7: at a 1,000-token prefix on this CPU, ``reuse`` at least 1.5x
 faster than ``recompute``. vLLM (prefix caching on vs off) runs in ``.venv-vllm``.
+
+Batched rollouts (issue 17, section ``rollouts``): the same P trees (BPO topology, M
+branch points of K siblings, an ``LLMPolicy`` on the HF engine) grown two ways:
+
+* ``serial``: today's loop, trees one after another and the engine decoding one prompt
+  at a time (``HFEngine(batch_prompts=False)``);
+* ``batched``: every tree in lockstep (:func:`branchgym.batch_rollout.grow_trees_batched`),
+  one engine call per turn decoding all prompts in one left-padded batch, the envs of a
+  turn stepped in one executor call.
+
+It prints generated tokens/s and env steps/s of both and the speed-up, and checks that
+both grew the same trees (same tokens).
 """
 
 from __future__ import annotations
@@ -35,7 +47,10 @@ from tqdm import tqdm
 
 from branchgym.bench.common import Report, Timing
 
-__all__ = ["configure", "main"]
+__all__ = ["configure", "main", "SECTIONS"]
+
+#: The study's sections (``--sections``).
+SECTIONS = ("prefix", "rollouts")
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 
@@ -67,6 +82,31 @@ def configure(parser: argparse.ArgumentParser) -> None:
         help="also measure vLLM in .venv-vllm (auto: when it exists)",
     )
     parser.add_argument("--quick", action="store_true", help="one prefix length, 1 repeat")
+    parser.add_argument(
+        "--sections",
+        nargs="*",
+        choices=SECTIONS,
+        default=list(SECTIONS),
+        help="prefix (sibling generation at a shared prefix) and/or rollouts (batched vs "
+        "serial trees); default both",
+    )
+    parser.add_argument(
+        "--rollout-model", default="tiny", help="model of the rollouts section (default tiny)"
+    )
+    parser.add_argument("--rollout-prompts", type=int, default=8, help="trees P (default 8)")
+    parser.add_argument("--rollout-m", type=int, default=2, help="branch points M (default 2)")
+    parser.add_argument("--rollout-k", type=int, default=4, help="siblings K (default 4)")
+    parser.add_argument(
+        "--rollout-new-tokens", type=int, default=16, help="tokens per action (default 16)"
+    )
+    parser.add_argument(
+        "--rollout-steps", type=int, default=4, help="decisions per rollout at most (default 4)"
+    )
+    parser.add_argument(
+        "--rollout-executor",
+        default="inprocess",
+        help="executor of the rollouts section: inprocess, thread, process (default inprocess)",
+    )
 
 
 def _model(name: str) -> tuple[Any, Any, str]:
@@ -186,6 +226,137 @@ def _vllm_rows(args: argparse.Namespace, model: Any, tok: Any, name: str) -> lis
     return rows
 
 
+def _rollout_rows(args: argparse.Namespace, report: Report) -> list:
+    """Grow the same trees serially and batched; tokens/s, env steps/s and the speed-up."""
+    import gymnasium as gym
+
+    from branchgym.agents.engines.hf import HFEngine
+    from branchgym.agents.policy import LLMPolicy
+    from branchgym.batch_rollout import BatchStats, grow_trees_batched
+    from branchgym.rollout import grow_tree, spec_of
+
+    model, tok, name = _model(args.rollout_model)
+    env = gym.make("branchgym/TextTreeMDP-v0", max_episode_steps=args.rollout_steps)
+    recipe = spec_of(env)
+    env.close()
+    seeds = list(range(args.rollout_prompts))
+    kw = {
+        "m": args.rollout_m,
+        "k": args.rollout_k,
+        "schedule_options": {"gap_unit": "steps"},
+    }
+
+    # The prefix LRU holds 16 contexts per tree for both runs (a serial run needs 16 in
+    # all, P trees in lockstep need them at once), so every sibling still finds the
+    # backbone's KV cache at its branch point.
+    entries = 16 * args.rollout_prompts
+
+    def policy(batch_prompts: bool) -> LLMPolicy:
+        eng = HFEngine(
+            model,
+            tok,
+            threads=args.threads,
+            batch_prompts=batch_prompts,
+            prefix_cache_entries=entries,
+        )
+        return LLMPolicy(eng, max_new_tokens=args.rollout_new_tokens)
+
+    policy(True).act([], np.random.default_rng(0))  # import and warm-up outside the timing
+    grow_tree(recipe, policy(False), "entropy", seed=0, rng=0, m=0)
+
+    t0 = time.perf_counter()
+    serial = [
+        grow_tree(
+            recipe, policy(False), "entropy", seed=s, rng=s, executor=args.rollout_executor, **kw
+        )
+        for s in tqdm(seeds, desc="engine bench: serial trees", leave=False)
+    ]
+    serial_s = time.perf_counter() - t0
+    stats = BatchStats()
+    t0 = time.perf_counter()
+    batched = grow_trees_batched(
+        recipe, policy(True), seeds, "entropy", executor=args.rollout_executor, stats=stats, **kw
+    )
+    batched_s = time.perf_counter() - t0
+
+    def totals(trees: list) -> tuple[int, int]:
+        return sum(t.stats.generated_tokens for t in trees), sum(t.stats.env_steps for t in trees)
+
+    same = all(
+        [n.token_ids.tolist() for n in a] == [n.token_ids.tolist() for n in b]
+        for a, b in zip(serial, batched, strict=True)
+    )
+    rows, data = [], {}
+    for label, trees, secs in (("serial", serial, serial_s), ("batched", batched, batched_s)):
+        tokens, steps = totals(trees)
+        data[label] = {
+            "seconds": secs,
+            "generated_tokens": tokens,
+            "env_steps": steps,
+            "tokens_per_s": tokens / secs,
+            "env_steps_per_s": steps / secs,
+        }
+        rows.append(
+            [
+                f"{label} {name}",
+                args.rollout_prompts,
+                sum(t.stats.rollouts for t in trees),
+                tokens,
+                steps,
+                f"{secs:.2f}",
+                f"{tokens / secs:.1f}",
+                f"{steps / secs:.2f}",
+                "" if label == "serial" else f"{serial_s / batched_s:.2f}x",
+            ]
+        )
+    data["speedup"] = serial_s / batched_s
+    data["same_trees"] = same
+    data["policy_calls_batched"] = stats.policy_calls
+    data["requests_batched"] = stats.requests
+    report.data["rollouts"] = {
+        "model": name,
+        "prompts": args.rollout_prompts,
+        "m": args.rollout_m,
+        "k": args.rollout_k,
+        "new_tokens": args.rollout_new_tokens,
+        "max_steps": args.rollout_steps,
+        "executor": args.rollout_executor,
+        **data,
+    }
+    report.add(
+        f"## Batched rollouts\n\n{args.rollout_prompts} BPO trees (M={args.rollout_m}, "
+        f"K={args.rollout_k}) on TextTreeMDP (at most {args.rollout_steps} decisions per "
+        f"rollout, {args.rollout_new_tokens} tokens per action), HF {name}, executor "
+        f"{args.rollout_executor}, a prefix LRU of {entries} contexts. *serial*: trees "
+        "one after another, one prompt decoded at a time; *batched*: every tree in "
+        "lockstep, one engine call per turn "
+        f"({stats.policy_calls} calls for {stats.requests} requests). Same trees both ways: "
+        f"{'yes' if same else 'NO'}."
+    )
+    print(
+        report.table(
+            [
+                "rollouts",
+                "trees",
+                "paths",
+                "gen tokens",
+                "env steps",
+                "s",
+                "tok/s",
+                "env steps/s",
+                "speed-up",
+            ],
+            rows,
+        )
+    )
+    print(
+        f"batched rollouts: {serial_s / batched_s:.2f}x faster than serial "
+        f"({stats.policy_calls} engine calls for {stats.requests} requests; same trees: "
+        f"{'yes' if same else 'no'})"
+    )
+    return rows
+
+
 def main(args: argparse.Namespace) -> int:
     """Run the study and write ``<out>/engine.md``."""
     if args.prefix is None:
@@ -193,6 +364,12 @@ def main(args: argparse.Namespace) -> int:
     if args.quick:
         args.repeats = 1
     report = Report(args.out, "engine", "branchgym bench engine")
+    if "rollouts" in args.sections:
+        _rollout_rows(args, report)
+    if "prefix" not in args.sections:
+        path = report.save()
+        print(f"\nreport: {path}")
+        return 0
     rows, data, model, tok, name = _hf_rows(args, report)
     rows += _vllm_rows(args, model, tok, name)
     report.add(

@@ -30,6 +30,8 @@ def test_engine_study_runs(tmp_path, capsys):
             "1",
             "--vllm",
             "off",
+            "--sections",
+            "prefix",
             "--out",
             str(tmp_path),
         ]
@@ -40,6 +42,33 @@ def test_engine_study_runs(tmp_path, capsys):
     assert {"recompute", "reuse", "cached", "speedup_reuse"} <= set(row)
     assert (tmp_path / "engine_prefix.png").exists()
     assert "reuse speed-up" in capsys.readouterr().out
+
+
+def test_engine_study_measures_batched_rollouts(tmp_path, capsys):
+    rc = main(
+        [
+            "bench",
+            "engine",
+            "--sections",
+            "rollouts",
+            "--rollout-prompts",
+            "2",
+            "--rollout-new-tokens",
+            "3",
+            "--rollout-steps",
+            "2",
+            "--out",
+            str(tmp_path),
+        ]
+    )
+    assert rc == 0
+    data = json.loads((tmp_path / "engine.json").read_text())["rollouts"]
+    assert data["same_trees"] is True  # batched and serial grew the same trees
+    assert data["batched"]["generated_tokens"] == data["serial"]["generated_tokens"] > 0
+    assert data["batched"]["env_steps"] == data["serial"]["env_steps"] > 0
+    assert data["requests_batched"] > data["policy_calls_batched"]
+    assert "hf" not in json.loads((tmp_path / "engine.json").read_text())
+    assert "faster than serial" in capsys.readouterr().out
 
 
 @pytest.mark.slow
