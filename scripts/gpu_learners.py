@@ -8,18 +8,22 @@ with, so every sampled id decodes to text the prompt parser can read:
 
 * ``--tokenizer smollm2`` (the default on CUDA): SmolLM2-135M-Instruct's tokenizer and
   chat template (49,152 tokens; ``make smollm2`` ships it), the model at that vocabulary;
-* ``--tokenizer tiny``: the tiny byte-level BPE tokenizer (1,024 tokens, ChatML).
+* ``--tokenizer tiny``: the tiny byte-level BPE tokenizer (801 tokens, ChatML).
 
 ``--tiny`` uses the tiny Qwen2 shape instead of the 0.5 B one. Random weights rarely write
 a reply in the ReAct format (the ``invalid replies`` column); ``--weights smollm2`` trains
-SmolLM2-135M-Instruct itself (student and teacher), whose replies do parse. Every learner trains the
-saved model through ``branchgym.agents.train.train`` on TextTreeMDP with free generation,
-once per engine (``--engines hf vllm``: ``vllm`` needs the trainer's ``engine`` option).
-For each it prints the time per step, tokens per second, peak memory (CUDA:
-``torch.cuda.max_memory_allocated``; CPU: the peak resident set sampled while the learner
-ran; with ``vllm`` the worker process's memory is not in it), the memory model's estimate
-of the trainer (``branchgym.agents.memory``, when installed), the share of replies that did
-not parse and the share of nonzero advantages. Memory is freed between learners.
+SmolLM2-135M-Instruct itself (student and teacher) instead. Measured on CPU with
+``--max-new-tokens 24`` its replies did not parse either (invalid share 1.00), so every
+advantage was zero there too: the figures are throughput and memory, not learning.
+
+Every learner trains the saved model through ``branchgym.agents.train.train`` on
+TextTreeMDP with free generation, once per engine (``--engines hf vllm``; ``vllm`` is the
+trainer's ``engine=vllm`` option). For each it prints the time per step, tokens per
+second, peak memory (CUDA: ``torch.cuda.max_memory_allocated``; CPU: the peak resident
+set sampled while the learner ran; with ``vllm`` the worker process's memory is not in
+it), the memory model's estimate of the trainer (``branchgym.agents.memory``), the share
+of replies that did not parse and the share of nonzero advantages. Memory is freed
+between learners.
 
 ::
 
