@@ -16,13 +16,13 @@ contexts (``prefix_cache_entries``) also lets a multi-turn dialogue prefill only
 new tokens each turn, and lets siblings start from the KV cache the backbone built at
 that state. ``branchgym bench engine`` measures both.
 
-Distinct prompts are decoded together (``batch_prompts=True``): each prompt is prefilled
-on its own (incrementally, from the prefix cache), then the KV caches are left-padded
-into one batch with an attention mask and per-row positions, and one forward pass per
-token advances every row; rows that stop leave the batch. Each prompt draws its sampling
-noise from its own generator (``seeds``), so a prompt samples the same tokens whether it
-is decoded alone or in a batch, and its log-probs and entropies agree to float tolerance
-(the padded batch only changes summation order).
+Distinct prompts are run together (``batch_prompts=True``): one forward pass prefills
+every prompt's uncached tokens after its cached prefix (both left-padded), then the KV
+caches are left-padded into one batch with an attention mask and per-row positions, and
+one forward pass per token advances every row; rows that stop leave the batch. Each
+prompt draws its sampling noise from its own generator (``seeds``), so a prompt samples
+the same tokens whether it is decoded alone or in a batch, and its log-probs and
+entropies agree to float tolerance (the padded batch only changes summation order).
 
 Runs on CPU (float32) here and on CUDA with bfloat16 when a GPU is present.
 """
@@ -292,6 +292,101 @@ class HFEngine:
             rows = torch.cat([rows, logits[0]], dim=0)
         return cache, rows
 
+    def _open_many(
+        self, jobs: Sequence[tuple[list[int], list[int]]]
+    ) -> list[tuple[Any, torch.Tensor]]:
+        """:meth:`_open` for every job, their uncached tokens prefilled in one forward pass.
+
+        Each job's longest cached prefix comes from the LRU (left-padded to the longest
+        one); its uncached prompt tokens and forced prefix follow, left-padded too, so
+        every row's last token sits in the last column. The attention mask hides both
+        paddings and each row gets its own positions. Each prompt's KV cache goes back to
+        the LRU, and each job comes back as a compact batch-1 cache, as :meth:`_open` gives.
+        """
+        from transformers import DynamicCache
+
+        use = self.prefix_cache_entries > 0
+        found = []
+        for prompt, _ in jobs:
+            key = tuple(int(t) for t in prompt)
+            found.append((key, *(self._lookup(key) if use else (0, None, None))))
+        todo = [
+            i for i, ((key, start, _, _), (_, f)) in enumerate(zip(found, jobs, strict=True))
+            if start < len(key) or f
+        ]  # fmt: skip
+        out: list[tuple[Any, torch.Tensor] | None] = [None] * len(jobs)
+        for i, (_, start, cache, last) in enumerate(found):
+            if i not in todo:  # the whole context is cached
+                self.stats["cached_tokens"] += start
+                out[i] = (cache, last)
+        if todo:
+            dev = self.device
+            starts = [found[i][1] for i in todo]
+            tails = [list(found[i][0][found[i][1] :]) + jobs[i][1] for i in todo]
+            wc, ws = max(starts), max(map(len, tails))
+            mask = torch.zeros(len(todo), wc + ws, dtype=torch.long, device=dev)
+            ids = torch.zeros(len(todo), ws, dtype=torch.long, device=dev)
+            pos = torch.zeros(len(todo), ws, dtype=torch.long, device=dev)
+            for r, (start, tail) in enumerate(zip(starts, tails, strict=True)):
+                mask[r, wc - start : wc] = 1
+                mask[r, wc + ws - len(tail) :] = 1
+                ids[r, ws - len(tail) :] = torch.tensor(tail, device=dev)
+                pos[r, ws - len(tail) :] = torch.arange(start, start + len(tail), device=dev)
+            past = DynamicCache()
+            if wc:
+                ref = next(found[i][2] for i in todo if found[i][1])
+                layers = []
+                for li, layer in enumerate(ref.layers):
+                    ks, vs = [], []
+                    for i, start in zip(todo, starts, strict=True):
+                        cache = found[i][2]
+                        if cache is None:
+                            shape = (1, layer.keys.shape[1], wc, layer.keys.shape[3])
+                            ks.append(layer.keys.new_zeros(shape))
+                            vs.append(layer.values.new_zeros(shape))
+                            continue
+                        pad = (0, 0, wc - start, 0)
+                        ks.append(torch.nn.functional.pad(cache.layers[li].keys, pad))
+                        vs.append(torch.nn.functional.pad(cache.layers[li].values, pad))
+                    layers.append((torch.cat(ks), torch.cat(vs)))
+                past = DynamicCache(ddp_cache_data=layers)
+            res = self.model(
+                input_ids=ids,
+                attention_mask=mask,
+                position_ids=pos,
+                past_key_values=past,
+                use_cache=True,
+            )
+            logits, full = res.logits, res.past_key_values
+            for r, (i, start, tail) in enumerate(zip(todo, starts, tails, strict=True)):
+                key, _, _, last = found[i]
+                prompt_new = len(key) - start
+                self.stats["prefill_tokens"] += len(tail)
+                self.stats["cached_tokens"] += start
+                keep = mask[r].nonzero()[:, 0]  # this row's real positions, in order
+                data = [
+                    (lay.keys[r : r + 1, :, keep], lay.values[r : r + 1, :, keep])
+                    for lay in full.layers
+                ]
+                rows = logits[r, ws - len(tail) :]  # predicts each tail token's successor
+                if prompt_new:
+                    last = rows[prompt_new - 1 : prompt_new].clone()
+                    if use:
+                        n_key = len(key)
+                        self._store(
+                            key,
+                            DynamicCache(
+                                ddp_cache_data=[(k[:, :, :n_key], v[:, :, :n_key]) for k, v in data]
+                            ),
+                            last,
+                        )
+                # rows from the prompt's last token on: one per forced prefix token, then the next
+                out[i] = (
+                    DynamicCache(ddp_cache_data=data),
+                    torch.cat([last, rows[prompt_new:]], dim=0),
+                )
+        return out  # type: ignore[return-value]
+
     def _prefix_stats(
         self, prefix: list[int], rows: torch.Tensor
     ) -> tuple[list[float], list[float], list[float]]:
@@ -376,10 +471,11 @@ class HFEngine:
     ) -> list[list[Generation]]:
         """Decode several prompts' samples in one left-padded batch.
 
-        Each job ``(prompt, prefix, n, generator)`` is prefilled alone (the prefix cache
-        keeps that incremental); its KV cache is repeated n times and left-padded to the
-        longest context. Every decode step is one forward pass over the live rows with an
-        attention mask that hides the padding and each row's own positions. Job j draws
+        The jobs ``(prompt, prefix, n, generator)`` are prefilled together
+        (:meth:`_open_many`, from the prefix cache); each job's KV cache is repeated n
+        times and left-padded to the longest context. Every decode step is one forward
+        pass over the live rows with an attention mask that hides the padding and each
+        row's own positions. Job j draws
         its noise ``(n_j, V)`` from its own generator at every step until all its rows
         stop, exactly as :meth:`_sample` does, so both paths sample the same tokens.
         """
@@ -390,7 +486,7 @@ class HFEngine:
                 raise EngineError("an empty prompt cannot be continued; give at least one token")
             self._check_length(len(prompt) + len(prefix), limit)
         self._working_set = len(jobs)
-        opened = [self._open(p, f) for p, f, _, _ in jobs]
+        opened = self._open_many([(p, f) for p, f, _, _ in jobs])
         lens = [len(p) + len(f) for p, f, _, _ in jobs]
         counts = [k for _, _, k, _ in jobs]
         width, total = max(lens), sum(counts)

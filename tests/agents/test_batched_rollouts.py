@@ -54,6 +54,22 @@ def test_batched_decoding_matches_one_prompt_at_a_time(tiny):
                 np.testing.assert_allclose(getattr(y, field), getattr(z, field), atol=1e-5)
             lengths.add(len(x.token_ids) - x.prefix_len)
     assert len(lengths) > 1, "rows should stop at different steps"
+    # batched prefill from the prefix LRU: partly cached, fully cached and new prompts
+    ext = [p + [21, 22, 23][: i + 1] for i, p in enumerate(prompts)]
+    ext[2] = prompts[2]
+    ext.append(rng.integers(10, vocab - 10, size=11).tolist())
+    counts, prefixes, seeds = [2, 1, 3, 1, 2], [[], [33, 44], [5, 6], [], [9]], [1, 2, 3, 4, 5]
+    eng.generate(prompts, 1, seeds=seeds[:4])  # the LRU holds every prompt
+    warm = eng.generate(ext, counts, prefixes=prefixes, seeds=seeds)
+    assert eng.stats["cached_tokens"] > 0
+    cold = engine(tiny, prefix_cache_entries=0).generate(
+        ext, counts, prefixes=prefixes, seeds=seeds, batch_prompts=False
+    )
+    for b, c in zip(warm, cold, strict=True):
+        for x, y in zip(b, c, strict=True):
+            assert x.token_ids.tolist() == y.token_ids.tolist()
+            np.testing.assert_allclose(x.logprobs, y.logprobs, atol=1e-5)
+            np.testing.assert_allclose(x.entropies, y.entropies, atol=1e-5)
     with pytest.raises(EngineError, match="one each"):
         eng.generate(prompts, 1, seeds=[1])
 
