@@ -16,8 +16,8 @@ extracts each sdist, and for every task:
    tests must pass.
 
 The output is ``branchgym/envs/swebench/realistic_repos/``: ``<project>/upstream/`` (the
-trimmed sdist, licence included), ``<project>/<n>/`` per task (``base/``: the files the
-base commit changes, ``issue.md``, ``task.json``) and ``tasks.json`` (the order);
+trimmed sdist, licence included), ``<project>/<n>/`` per task (``base.json``: the base
+commit as edits of upstream's files, ``issue.md``, ``task.json``) and ``tasks.json``;
 ``branchgym.envs.swebench.generated`` turns them into git repositories and SWE-bench rows.
 
 Usage (the sdists downloaded first, PyPI reachable at setup time only)::
@@ -40,6 +40,8 @@ import sys
 import tarfile
 import tempfile
 from pathlib import Path
+
+from branchgym.envs.swebench.generated import file_edits
 
 ROOT = Path(__file__).resolve().parent.parent
 SPECS = Path(__file__).resolve().parent / "swebench_realistic"
@@ -209,7 +211,8 @@ def main() -> None:
             issue = (SPECS / f"{name}-{task['number']}.md").read_text()
             built = build_task(project, upstream, task, issue)
             d = out / name / str(task["number"])
-            write_tree(d / "base", built["changed"])
+            edits = file_edits(upstream, built["changed"])
+            (d / "base.json").write_text(json.dumps(edits, indent=1) + "\n")
             (d / "issue.md").write_text(built["issue"])
             (d / "task.json").write_text(json.dumps(built["meta"], indent=2) + "\n")
             m = built["meta"]

@@ -40,6 +40,8 @@ __all__ = [
     "REALISTIC_DIR",
     "RealisticTaskDef",
     "load_realistic_defs",
+    "file_edits",
+    "apply_edits",
     "build_realistic_tasks",
     "realistic_tasks",
     "realistic_repos",
@@ -290,8 +292,9 @@ def generated_repos() -> Path:
 #: The realistic task set's data (the output of ``scripts/build_swebench_tasks.py``): per
 #: project ``<project>/upstream/`` (its PyPI sdist, trimmed, licence included) and
 #: ``project.json`` (repository, version, licence, source roots), and per task
-#: ``<project>/<n>/`` with ``base/`` (the files the base commit changes: the broken
-#: function, the held-back tests removed), ``issue.md`` and ``task.json`` (gold and wrong
+#: ``<project>/<n>/`` with ``base.json`` (the base commit as ``[path, old, new]`` edits of
+#: upstream's files: the broken function, the held-back tests removed; see
+#: :func:`file_edits`), ``issue.md`` and ``task.json`` (gold and wrong
 #: fixes as ``[path, old, new]`` replacements, the test files, FAIL_TO_PASS and
 #: PASS_TO_PASS as computed by running the suite); ``tasks.json`` gives their order.
 REALISTIC_DIR = Path(__file__).with_name("realistic_repos")
@@ -364,6 +367,64 @@ class RealisticTaskDef:
         return TaskDef.fix_command.fget(self)  # type: ignore[attr-defined]
 
 
+def file_edits(old: dict[str, str], new: dict[str, str]) -> list[list[str]]:
+    """``[path, before, after]`` replacements that turn ``old``'s files into ``new``'s.
+
+    A task's base differs from upstream by a few lines (the broken function, the held-back
+    tests), so it ships as these edits instead of a second copy of each file. Each edit
+    replaces a run of whole lines, with just enough unchanged lines around it that
+    ``before`` occurs exactly once in the file as it is when the edit applies (edits of a
+    file apply in order): :func:`apply_edits` checks that and gives back ``new`` exactly.
+    Every path of ``new`` must be in ``old``.
+    """
+    import difflib
+
+    edits: list[list[str]] = []
+    for path in sorted(new):
+        if path not in old:
+            raise DataError(f"{path}: a base edit needs the file in upstream's tree")
+        a = old[path].splitlines(keepends=True)
+        b = new[path].splitlines(keepends=True)
+        cur = list(a)
+        delta = 0
+        matcher = difflib.SequenceMatcher(None, a, b, autojunk=False)
+        for tag, i1, i2, j1, j2 in matcher.get_opcodes():
+            if tag == "equal":
+                continue
+            s, e = i1 + delta, i2 + delta
+            text = "".join(cur)
+            for c in range(len(cur) + 1):
+                lo, hi = max(0, s - c), min(len(cur), e + c)
+                before = "".join(cur[lo:hi])
+                if before and text.count(before) == 1:
+                    break
+            after = "".join(cur[lo:s] + b[j1:j2] + cur[e:hi])
+            edits.append([path, before, after])
+            cur[lo:hi] = cur[lo:s] + b[j1:j2] + cur[e:hi]
+            delta += (j2 - j1) - (i2 - i1)
+        if "".join(cur) != new[path]:  # pragma: no cover - a bug here, not in the data
+            raise DataError(f"{path}: the computed edits do not rebuild the file")
+    return edits
+
+
+def apply_edits(files: dict[str, str], edits: list[list[str]], where: str) -> dict[str, str]:
+    """The files ``edits`` (from :func:`file_edits`) change, as they become.
+
+    Raises:
+        DataError: an edit's ``before`` text is not in its file exactly once.
+    """
+    out: dict[str, str] = {}
+    for path, before, after in edits:
+        text = out.get(path, files.get(path))
+        if text is None or text.count(before) != 1:
+            raise DataError(
+                f"{where}: base edit of {path} does not apply (its text must occur exactly "
+                "once); rebuild the task with scripts/build_swebench_tasks.py"
+            )
+        out[path] = text.replace(before, after, 1)
+    return out
+
+
 def load_realistic_defs(
     folder: str | os.PathLike[str] = REALISTIC_DIR,
 ) -> tuple[RealisticTaskDef, ...]:
@@ -400,7 +461,7 @@ def load_realistic_defs(
                     version=info["version"],
                     license=info["license"],
                     upstream=upstream,
-                    base=_read_tree(d / "base"),
+                    base=apply_edits(upstream, json.loads((d / "base.json").read_text()), str(d)),
                     issue=issue,
                     fix=tuple(tuple(r) for r in meta["fix"]),
                     wrong=tuple(tuple(r) for r in meta["wrong"]),
@@ -414,7 +475,7 @@ def load_realistic_defs(
         except (OSError, ValueError, KeyError) as exc:
             raise DataError(
                 f"realistic task {entry!r} in {folder} is incomplete ({exc}); it needs "
-                f"{name}/project.json, {name}/upstream/, and {entry}/ with issue.md, base/ and "
+                f"{name}/project.json, {name}/upstream/, and {entry}/ with issue.md, base.json and "
                 "task.json (fix, wrong, test_files, fail_to_pass, pass_to_pass, created_at)"
             ) from exc
     return tuple(defs)

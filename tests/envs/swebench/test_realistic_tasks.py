@@ -219,3 +219,39 @@ def test_realistic_task_ids_are_unique_and_stable():
     assert len(ids) == len(set(ids))
     assert "benjaminp__six-1" in ids and "tkem__cachetools-1" in ids
     assert Path(REALISTIC_DIR, "six", "upstream", "LICENSE").is_file()
+
+
+def test_base_edits_rebuild_files_exactly_and_refuse_ambiguous_text():
+    from branchgym.envs.swebench.generated import apply_edits, file_edits
+
+    old = {
+        "a.py": "x = 1\nx = 1\ndef f():\n    return 1\n\ndef g():\n    return 1\nend\n",
+        "b.py": "same\nsame\nsame\n",
+    }
+    new = {
+        # a change inside repeated lines, a deleted function, a line added at the end
+        "a.py": "x = 1\nx = 2\ndef f():\n    return 1\n\nend\nmore\n",
+        "b.py": "first\nsame\nsame\nsame\n",
+    }
+    edits = file_edits(old, new)
+    assert apply_edits(old, edits, "t") == new
+    # Each edit's text occurs once where it applies, so the edits are much smaller than
+    # the files only when the files are large; here they still rebuild them exactly.
+    assert all(p in old for p, _, _ in edits)
+    with pytest.raises(DataError, match="exactly once"):
+        apply_edits({"b.py": "same\nsame\n"}, [["b.py", "same\n", "other\n"]], "t")
+    with pytest.raises(DataError, match="does not apply"):
+        apply_edits(old, [["missing.py", "a", "b"]], "t")
+    with pytest.raises(DataError, match="upstream"):
+        file_edits(old, {"new.py": "x\n"})
+
+
+def test_shipped_bases_are_small_edits_of_upstream():
+    import json
+
+    from branchgym.envs.swebench.generated import REALISTIC_DIR
+
+    for path in REALISTIC_DIR.glob("*/[0-9]*/base.json"):
+        edits = json.loads(path.read_text())
+        assert edits and all(len(e) == 3 for e in edits), path
+        assert not (path.parent / "base").exists()
