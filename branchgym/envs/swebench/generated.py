@@ -24,6 +24,7 @@ import os
 import shlex
 import shutil
 import subprocess
+from collections.abc import Callable
 from pathlib import Path
 
 from branchgym.envs.swebench.tasks import DEFAULT_TEST_CMD, SWEBenchTask, cache_root, load_tasks
@@ -258,11 +259,16 @@ def build_generated_tasks(dest: str | os.PathLike[str] | None = None) -> Path:
         The path of ``tasks.jsonl``; the repositories are in ``repos/`` beside it.
     """
     root = Path(dest) if dest else cache_root() / "swebench" / f"generated-{_fingerprint()}"
+    return _build_once(root, "generated", lambda repos: [_build_one(td, repos) for td in TASK_DEFS])
+
+
+def _build_once(root: Path, name: str, build: Callable[[Path], list[dict]]) -> Path:
+    """``root/tasks.jsonl`` from ``build(repos_folder)``, built once under a lock."""
     tasks_file = root / "tasks.jsonl"
     if tasks_file.exists():
         return tasks_file
     if shutil.which("git") is None:
-        raise DataError("the generated SWE-bench tasks need git; install it (apt-get install git)")
+        raise DataError(f"the {name} SWE-bench tasks need git; install it (apt-get install git)")
     root.parent.mkdir(parents=True, exist_ok=True)
     with open(f"{root}.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)  # concurrent test processes build it once
@@ -270,7 +276,7 @@ def build_generated_tasks(dest: str | os.PathLike[str] | None = None) -> Path:
             return tasks_file
         tmp = root.with_name(f"{root.name}.tmp-{os.getpid()}")
         shutil.rmtree(tmp, ignore_errors=True)
-        records = [_build_one(td, tmp / "repos") for td in TASK_DEFS]
+        records = build(tmp / "repos")
         (tmp / "tasks.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
         shutil.rmtree(root, ignore_errors=True)
         os.rename(tmp, root)
@@ -555,23 +561,7 @@ def build_realistic_tasks(dest: str | os.PathLike[str] | None = None) -> Path:
         if dest
         else cache_root() / "swebench" / f"realistic-{_realistic_fingerprint(defs)}"
     )
-    tasks_file = root / "tasks.jsonl"
-    if tasks_file.exists():
-        return tasks_file
-    if shutil.which("git") is None:
-        raise DataError("the realistic SWE-bench tasks need git; install it (apt-get install git)")
-    root.parent.mkdir(parents=True, exist_ok=True)
-    with open(f"{root}.lock", "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)  # concurrent test processes build it once
-        if tasks_file.exists():
-            return tasks_file
-        tmp = root.with_name(f"{root.name}.tmp-{os.getpid()}")
-        shutil.rmtree(tmp, ignore_errors=True)
-        records = _build_realistic(defs, tmp / "repos")
-        (tmp / "tasks.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
-        shutil.rmtree(root, ignore_errors=True)
-        os.rename(tmp, root)
-    return tasks_file
+    return _build_once(root, "realistic", lambda repos: _build_realistic(defs, repos))
 
 
 def realistic_tasks() -> list[SWEBenchTask]:

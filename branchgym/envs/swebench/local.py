@@ -64,7 +64,7 @@ import threading
 import time
 import uuid
 import weakref
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 
 from branchgym.envs.swebench.gitsnap import gitsnap
@@ -227,57 +227,56 @@ def overlay_support(root: Path | None = None) -> tuple[bool, str]:
     return result
 
 
-def redirect_dir_support(root: Path | None = None) -> bool:
-    """Can overlayfs here rename folders of lower layers (``redirect_dir=on``); cached."""
+def _overlay_probe(root: Path | None, key: str, setup: str, trial: Callable[[Path], bool]) -> bool:
+    """Mount a throwaway overlay (``setup`` dirs of ``l/u/w/m``), run ``trial``; cached."""
     root = Path(root or work_root())
-    key = f"redirect:{root}"
+    key = f"{key}:{root}"
     if key not in _SUPPORT:
         probe = root / f"probe-{os.getpid()}-{uuid.uuid4().hex[:6]}"
         ok = False
         try:
-            for d in ("l/d", "u", "w", "m"):
+            for d in (setup, "u", "w", "m"):
                 (probe / d).mkdir(parents=True)
-            _mount_overlay(probe / "m", (str(probe / "l"),), probe / "u", probe / "w", True)
-            try:
-                os.rename(probe / "m" / "d", probe / "m" / "e")  # EXDEV without redirects
-                ok = True
-            except OSError:
-                pass
-            finally:
-                _umount(probe / "m")
+            ok = trial(probe)
         except OSError:
             pass
         finally:
             shutil.rmtree(probe, ignore_errors=True)
         _SUPPORT[key] = (ok, "")
     return _SUPPORT[key][0]
+
+
+def redirect_dir_support(root: Path | None = None) -> bool:
+    """Can overlayfs here rename folders of lower layers (``redirect_dir=on``); cached."""
+
+    def trial(probe: Path) -> bool:
+        _mount_overlay(probe / "m", (str(probe / "l"),), probe / "u", probe / "w", True)
+        try:
+            os.rename(probe / "m" / "d", probe / "m" / "e")  # EXDEV without redirects
+            return True
+        except OSError:
+            return False
+        finally:
+            _umount(probe / "m")
+
+    return _overlay_probe(root, "redirect", "l/d", trial)
 
 
 def index_support(root: Path | None = None) -> bool:
     """Does overlayfs here mount with ``index=on`` (hard links survive copy-up)? Cached."""
-    root = Path(root or work_root())
-    key = f"index:{root}"
-    if key not in _SUPPORT:
-        probe = root / f"probe-{os.getpid()}-{uuid.uuid4().hex[:6]}"
-        ok = False
+
+    def trial(probe: Path) -> bool:
+        (probe / "l" / "a").write_text("a")
+        os.link(probe / "l" / "a", probe / "l" / "b")
+        _mount_overlay(probe / "m", (str(probe / "l"),), probe / "u", probe / "w", index=True)
         try:
-            for d in ("l", "u", "w", "m"):
-                (probe / d).mkdir(parents=True)
-            (probe / "l" / "a").write_text("a")
-            os.link(probe / "l" / "a", probe / "l" / "b")
-            _mount_overlay(probe / "m", (str(probe / "l"),), probe / "u", probe / "w", index=True)
-            try:
-                with open(probe / "m" / "a", "a") as f:
-                    f.write("b")
-                ok = (probe / "m" / "b").read_text() == "ab"
-            finally:
-                _umount(probe / "m")
-        except OSError:
-            pass
+            with open(probe / "m" / "a", "a") as f:
+                f.write("b")
+            return (probe / "m" / "b").read_text() == "ab"
         finally:
-            shutil.rmtree(probe, ignore_errors=True)
-        _SUPPORT[key] = (ok, "")
-    return _SUPPORT[key][0]
+            _umount(probe / "m")
+
+    return _overlay_probe(root, "index", "l", trial)
 
 
 def _link_groups(root: str) -> list[tuple[str, ...]]:
