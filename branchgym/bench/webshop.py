@@ -286,15 +286,12 @@ def noun_agreement(catalog: Any, goals: range | list[int], nlp: Any, page: int =
       lists; the share of (goal, product) pairs where it is equal, and the mean absolute
       difference of ``title_score``.
     """
-    from branchgym.envs.webshop.reward import get_type_reward, heuristic_nouns
-
-    def spacy_nouns(text: str) -> tuple[str, ...]:
-        return tuple(t.text.lower() for t in nlp(text) if t.pos_ in ("NOUN", "PROPN"))
+    from branchgym.envs.webshop.reward import get_type_reward, heuristic_nouns, spacy_nouns
 
     tp = fp = fn = same = 0
     titles = [str(p["name"]) for p in catalog.products]
     for title in titles:
-        h, sp = set(heuristic_nouns(title)), set(spacy_nouns(title))
+        h, sp = set(heuristic_nouns(title)), set(spacy_nouns(nlp, title))
         tp += len(h & sp)
         fp += len(h - sp)
         fn += len(sp - h)
@@ -305,11 +302,11 @@ def noun_agreement(catalog: Any, goals: range | list[int], nlp: Any, page: int =
     for gi in goals:
         goal = catalog.goals[gi]
         g_h = {**goal, "name_nouns": heuristic_nouns(goal["name"])}
-        g_s = {**goal, "name_nouns": spacy_nouns(goal["name"])}
+        g_s = {**goal, "name_nouns": spacy_nouns(nlp, goal["name"])}
         for d in catalog.index.search(goal["instruction_text"].lower())[:page]:
             prod = catalog.products[d]
             a = get_type_reward({**prod, "title_nouns": heuristic_nouns(prod["name"])}, g_h)
-            b = get_type_reward({**prod, "title_nouns": spacy_nouns(prod["name"])}, g_s)
+            b = get_type_reward({**prod, "title_nouns": spacy_nouns(nlp, prod["name"])}, g_s)
             pairs += 1
             equal += a["r_type"] == b["r_type"]
             score_gap += abs(a["title_score"] - b["title_score"])

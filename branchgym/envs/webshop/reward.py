@@ -54,6 +54,7 @@ __all__ = [
     "heuristic_nouns",
     "noun_backend",
     "spacy_pipeline",
+    "spacy_nouns",
     "warn_if_heuristic_on_real_data",
     "SPACY_MODEL_ENV",
 ]
@@ -195,6 +196,11 @@ def title_nouns(name: str) -> tuple[str, ...]:
     nlp = _spacy_nlp()
     if nlp is None:
         return tuple(heuristic_nouns(name))
+    return spacy_nouns(nlp, name)
+
+
+def spacy_nouns(nlp: Any, name: str) -> tuple[str, ...]:
+    """Lowercased ``NOUN``/``PROPN`` tokens of ``name`` under the spaCy pipeline ``nlp``."""
     return tuple(t.text.lower() for t in nlp(name) if t.pos_ in ("PNOUN", "NOUN", "PROPN"))
 
 
