@@ -21,6 +21,7 @@ fail (a long search in a big room runs out of steps); :func:`play` reports how o
 from __future__ import annotations
 
 import dataclasses
+import functools
 import re
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -59,6 +60,7 @@ class Goal:
         return 2 if self.task_type == "pick_two_obj_and_place" else 1
 
 
+@functools.lru_cache(maxsize=1)
 def _goal_patterns() -> list[tuple[str, re.Pattern[str], tuple[str, ...]]]:
     from branchgym.envs.alfworld.problems import alfworld_constants
 
@@ -74,6 +76,15 @@ def _goal_patterns() -> list[tuple[str, re.Pattern[str], tuple[str, ...]]]:
                 pattern = pattern.replace(re.escape("{" + f + "}"), rf"(?P<{f}>\S+)")
             out.append((task_type, re.compile(rf"^{pattern}\.?$"), fields))
     return out
+
+
+@functools.cache
+def _likely_receptacles(cls: str) -> frozenset[str]:
+    """Receptacle classes ALFWorld's affordance table lets hold objects of class ``cls``."""
+    from branchgym.envs.alfworld.problems import alfworld_constants
+
+    table = alfworld_constants().VAL_RECEPTACLE_OBJECTS
+    return frozenset(r.lower() for r, objs in table.items() if cls in {o.lower() for o in objs})
 
 
 def parse_goal(text: str) -> Goal:
@@ -234,10 +245,7 @@ class HandCodedExpert:
 
     def _search_order(self, cls: str) -> list[str]:
         """Receptacles not yet looked into: those whose type can hold ``cls`` first."""
-        from branchgym.envs.alfworld.problems import alfworld_constants
-
-        table = alfworld_constants().VAL_RECEPTACLE_OBJECTS
-        likely = {r.lower() for r, objs in table.items() if cls in {o.lower() for o in objs}}
+        likely = _likely_receptacles(cls)
         todo = [r for r in self.receptacles if r not in self.checked]
         return [r for r in todo if _cls(r) in likely] + [r for r in todo if _cls(r) not in likely]
 
