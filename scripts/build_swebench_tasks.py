@@ -41,7 +41,7 @@ import tarfile
 import tempfile
 from pathlib import Path
 
-from branchgym.envs.swebench.generated import file_edits
+from branchgym.envs.swebench.generated import file_edits, write_tree
 
 ROOT = Path(__file__).resolve().parent.parent
 SPECS = Path(__file__).resolve().parent / "swebench_realistic"
@@ -175,15 +175,6 @@ def build_task(project: dict, upstream: dict[str, str], task: dict, issue: str) 
         },
         "issue": issue,
     }
-
-
-def write_tree(folder: Path, files: dict[str, str]) -> None:
-    """Write ``files`` (relative path -> text) under ``folder``."""
-    for rel, text in files.items():
-        p = folder / rel
-        p.parent.mkdir(parents=True, exist_ok=True)
-        with open(p, "w", encoding="utf-8", newline="") as f:
-            f.write(text)
 
 
 def main() -> None:

@@ -42,6 +42,7 @@ __all__ = [
     "RealisticTaskDef",
     "load_realistic_defs",
     "file_edits",
+    "write_tree",
     "apply_edits",
     "build_realistic_tasks",
     "realistic_tasks",
@@ -192,16 +193,18 @@ def _git(repo: Path, *args: str) -> str:
     return out.stdout
 
 
-def _write(repo: Path, files: dict[str, str]) -> None:
+def write_tree(folder: Path, files: dict[str, str]) -> None:
+    """Write ``files`` (relative path -> text) under ``folder``, byte for byte (UTF-8)."""
     for rel, text in files.items():
-        p = repo / rel
+        p = folder / rel
         p.parent.mkdir(parents=True, exist_ok=True)
-        p.write_text(text)
+        with open(p, "w", encoding="utf-8", newline="") as f:
+            f.write(text)
 
 
 def _diff_of(repo: Path, files: dict[str, str]) -> str:
     """The git diff that turns the base commit into ``files`` (then back to base)."""
-    _write(repo, files)
+    write_tree(repo, files)
     _git(repo, "add", "-A")
     diff = _git(repo, "diff", "--cached", "--no-color", "--full-index", "HEAD")
     _git(repo, "reset", "-q", "--hard", "HEAD")
@@ -217,7 +220,7 @@ def _build_one(td: TaskDef, repos: Path) -> dict:
         ".gitignore": _GITIGNORE,
         **td.files,
     }
-    _write(repo, files)
+    write_tree(repo, files)
     _git(repo, "add", "-A")
     _git(repo, "commit", "-q", "-m", f"{td.name}: initial version")
     base = _git(repo, "rev-parse", "HEAD").strip()
@@ -502,7 +505,7 @@ def _build_realistic(defs: tuple[RealisticTaskDef, ...], repos: Path) -> list[di
         if td.repo not in made:
             repo.mkdir(parents=True)
             _git(repo, "init", "-q", "-b", "main")
-            _write(repo, {".gitignore": _GITIGNORE, **td.upstream})
+            write_tree(repo, {".gitignore": _GITIGNORE, **td.upstream})
             _git(repo, "add", "-A")
             _git(repo, "commit", "-q", "-m", f"{td.project} {td.version} (upstream sdist)")
             made.add(td.repo)
@@ -511,7 +514,7 @@ def _build_realistic(defs: tuple[RealisticTaskDef, ...], repos: Path) -> list[di
         # base commit, so `git show` (the eval script prints it) stays a few lines.
         _git(repo, "checkout", "-q", "--orphan", f"task-{td.number}", "main")
         _git(repo, "rm", "-rq", "--cached", ".")
-        _write(repo, {".gitignore": _GITIGNORE, **td.base_files()})
+        write_tree(repo, {".gitignore": _GITIGNORE, **td.base_files()})
         _git(repo, "add", "-A")
         _git(repo, "commit", "-q", "-m", f"Import {td.project} {td.version}")
         _git(repo, "commit", "-q", "--allow-empty", "-m", f"Start {td.instance_id}")
