@@ -479,14 +479,11 @@ class Run:
     @torch.no_grad()
     def frozen_logprobs(self, model: Any, batch: Batch, field: str) -> None:
         """Fill ``decision.<field>`` (``ref_logp``, ``teacher_logp``) with ``model``'s log-probs."""
-        rows = [r for r in batch.rows if r.decisions]
-        if self.args.micro_batch_tokens:
-            costs = self.row_tokens(rows)
-            parts = [
-                [rows[i] for i in c]
-                for c in token_chunks(costs, [r.group for r in rows], self.args.micro_batch_tokens)
-            ]
+        if self.args.micro_batch_tokens:  # the update's token-budget chunks (groups may split)
+            scored = [i for i, r in enumerate(batch.rows) if r.decisions]
+            parts = [[batch.rows[i] for i in c] for c in self.chunks(batch, scored)]
         else:
+            rows = [r for r in batch.rows if r.decisions]
             step = max(1, self.args.micro_batch_rows or len(rows))
             parts = [rows[i : i + step] for i in range(0, len(rows), step)]
         base = self.args.lora_rank and model is self.ref
