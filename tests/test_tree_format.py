@@ -69,8 +69,15 @@ def hand_tree():
         info={"admissible_actions": ["a", "b"], 3: "int key", "arr": np.arange(3, dtype=np.int16)},
         costs={"generate": 0.5, "env_step": 1e-4},
     )
-    tree.add(a.id, action=np.int64(2), observation={"$type": "not a tag"}, reward=float("nan"),
-             terminated=True, teacher_logprobs=np.zeros(0), parse_error="no Action: line")  # fmt: skip
+    tree.add(
+        a.id,
+        action=np.int64(2),
+        observation={"$type": "not a tag"},
+        reward=float("nan"),
+        terminated=True,
+        teacher_logprobs=np.zeros(0),
+        parse_error="no Action: line",
+    )
     tree.add(a.id, sibling=2, rollout=1, truncated=True, error="restore failed: gone")
     tree.set_fork_offset(a.id, 1)
     tree.meta["forks"] = [{"step": 1, "token_offset": 1, "score": 0.7}]
