@@ -29,7 +29,7 @@ import gzip
 import json
 import math
 import os
-import tempfile
+import uuid
 import zlib
 from collections.abc import Sequence
 from pathlib import Path
@@ -472,13 +472,14 @@ def save_trees(
     if path.suffix == ".gz":
         raw = gzip.compress(raw, compresslevel=6, mtime=0)
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".partial")
+    # a unique name beside the target (the user's umask applies, unlike mkstemp's 0600)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.{uuid.uuid4().hex[:8]}.partial")
     try:
-        with os.fdopen(fd, "wb") as fh:
+        with open(tmp, "xb") as fh:
             fh.write(raw)
         os.replace(tmp, path)
     except BaseException:
-        Path(tmp).unlink(missing_ok=True)
+        tmp.unlink(missing_ok=True)
         raise
     return path
 
