@@ -181,7 +181,7 @@
       const g = sv("g", {
         class: "bp", "data-bp": i, "data-bp-k": b.k, "data-bp-step": b.step, "data-bp-parent": b.parent,
         "data-bp-returns": JSON.stringify(b.returns),
-        transform: "translate(" + (p.x + 12) + "," + (p.y + 9) + ")",
+        transform: "translate(" + (p.x - 20) + "," + (p.y + 10) + ")", // under the fork, clear of the next column
       });
       g.appendChild(sv("rect", { class: "bp-badge", x: 0, y: 0, width: w, height: 15, rx: 7.5 }));
       g.appendChild(sv("text", { class: "label bp", x: 6, y: 11 }, text));
