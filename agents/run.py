@@ -353,6 +353,7 @@ class Run:
                 )
             if self.dp.is_main:
                 metrics_file.unlink(missing_ok=True)
+                self._drop_trees_after(0)
         self.dp.barrier()  # no rank reads the folder while rank 0 clears it
         if resume is not None:
             self._load(Path(args.resume), resume)
@@ -935,6 +936,14 @@ class Run:
     def _continue_metrics(self, step: int) -> None:
         """Resuming into the run's own folder: its log keeps lines up to ``step`` only."""
         self.history = truncate_metrics(self.out_dir / "metrics.jsonl", step)
+        self._drop_trees_after(step)
+
+    def _drop_trees_after(self, step: int) -> None:
+        """Saved trees of steps after ``step`` belong to a run that is being replaced."""
+        for path in (self.out_dir / "trees").glob("step_*.json*"):
+            digits = path.name[len("step_") :].split("_")[0].split(".")[0]
+            if digits.isdigit() and int(digits) > step:
+                path.unlink(missing_ok=True)
 
     def close(self) -> TrainResult:
         """Close the logs, draw the curves, shut the executor down; the run's result."""

@@ -122,6 +122,23 @@ def test_training_saves_each_steps_trees_with_the_advantages_it_used(run_dir):
 
 
 @pytest.mark.slow
+def test_a_run_started_over_in_the_same_folder_drops_the_old_runs_trees(run_dir, tmp_path):
+    again = tmp_path / "again"
+    shutil.copytree(run_dir, again)
+    code = cli_main(
+        [
+            "train", "--algo", "bpo", "--env", "branchgym/TextTreeMDP-v0", "--model", "tiny",
+            "--steps", "1", "--prompts", "1", "--out", str(again), "--no-progress", "--set",
+            "m=1", "k=2", "gap_unit=steps", "threads=1", "save_trees_every=1", "overwrite=true",
+        ]
+    )  # fmt: skip
+    assert code == 0
+    assert sorted(p.name for p in (again / "trees").iterdir()) == ["step_000001.json.gz"]
+    (tree,) = read_tree_file(again / "trees" / "step_000001.json.gz").trees
+    assert tree.env_id == "branchgym/TextTreeMDP-v0"
+
+
+@pytest.mark.slow
 def test_view_of_a_training_run_in_headless_chromium(run_dir, browser, tmp_path, capsys):
     html = tmp_path / "view.html"
     assert cli_main(["view", str(run_dir), "--out", str(html), "--no-open"]) == 0
