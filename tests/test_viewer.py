@@ -163,12 +163,18 @@ def test_view_of_a_training_run_in_headless_chromium(run_dir, browser, tmp_path,
     assert page.locator("path.edge.backbone").count() == len(tree.backbone)
     ks = page.eval_on_selector_all("[data-bp-k]", "els => els.map(e => Number(e.dataset.bpK))")
     assert ks == [b.k for b in tree.branch_points()] == [4, 4]
-    badge = page.locator("[data-bp='0'] text").text_content()
-    returns = tree.branch_points()[0].returns
-    assert badge.startswith("K=4  G ") and badge.count("·") == 3, badge
-    assert page.eval_on_selector("[data-bp='0']", "e => JSON.parse(e.dataset.bpReturns)") == list(
-        returns
-    )
+    # the branch point with the failed sibling: K, and the sibling returns that fit
+    bps = tree.branch_points()
+    bi = next(i for i, b in enumerate(bps) if any(tree[x].error for x in b.siblings))
+    badge = page.locator(f"[data-bp='{bi}'] text").text_content()
+    shown = badge.removeprefix("K=4  G ").removesuffix(" …").split(" · ")
+    expect = [
+        f"{r:.2f}".rstrip("0").rstrip(".") if tree.line_valid(x) else "✕"
+        for r, x in zip(bps[bi].returns, bps[bi].siblings, strict=True)
+    ]
+    assert badge.startswith("K=4  G ") and shown == expect[: len(shown)], badge
+    returns = page.eval_on_selector(f"[data-bp='{bi}']", "e => JSON.parse(e.dataset.bpReturns)")
+    assert returns == list(bps[bi].returns)
 
     (err,) = [n for n in tree if n.error]
     leaf = page.locator("[data-error]")
@@ -188,9 +194,10 @@ def test_view_of_a_training_run_in_headless_chromium(run_dir, browser, tmp_path,
     assert float(shown.replace("+", "")) == pytest.approx(adv, abs=5e-4)
     page.click(f"[data-node-id='{err.id}'] rect")
     assert detail.locator("[data-field='error']").inner_text() == err.error
-    page.click("[data-bp='0'] rect")
+    page.click(f"[data-bp='{bi}'] rect")
     rows = detail.locator("[data-field='siblings'] tr[data-sibling]")
     assert rows.count() == 4
+    assert "error" in rows.nth(bps[bi].siblings.index(err.id)).inner_text()
 
     assert page.locator("#curves").is_visible()
     assert "charts/return" in page.eval_on_selector_all(

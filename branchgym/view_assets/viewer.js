@@ -9,6 +9,7 @@
   const R = 7; // node radius
   const TEXT_PREVIEW = 3000; // characters of an action/observation shown before "show all"
   const LABEL_CHARS = 18;
+  const BADGE_CHARS = 24; // a branch point's badge ends before the next column's labels
 
   const $ = (sel) => document.querySelector(sel);
   const index = JSON.parse($("#bg-index").textContent);
@@ -174,9 +175,13 @@
 
     tree.branch_points.forEach((b, i) => {
       const p = lay.pos.get(b.parent);
-      const returns = b.returns.map((r, j) => (b.valid[j] ? fmt(r, 2) : "✕")).slice(0, 6);
-      const more = b.returns.length > 6 ? " …" : "";
-      const text = "K=" + b.k + "  G " + returns.join(" · ") + more;
+      // as many sibling returns as fit before the next column (all of them in the panel)
+      const returns = b.returns.map((r, j) => (b.valid[j] ? fmt(r, 2) : "✕"));
+      let text = "K=" + b.k + "  G " + returns[0];
+      for (let j = 1; j < returns.length; j++) {
+        if (text.length + returns[j].length + 3 > BADGE_CHARS) { text += " …"; break; }
+        text += " · " + returns[j];
+      }
       const w = 10 + text.length * 5.6;
       const g = sv("g", {
         class: "bp", "data-bp": i, "data-bp-k": b.k, "data-bp-step": b.step, "data-bp-parent": b.parent,
