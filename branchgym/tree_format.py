@@ -114,6 +114,14 @@ def _array(a: np.ndarray) -> dict[str, Any]:
 
 def _encode(x: Any) -> Any:
     """Any value as JSON data (tagged where JSON alone would lose its type)."""
+    if isinstance(x, np.generic) and x.dtype.kind in _ARRAY_KINDS:
+        # before float: np.float64 is a float subclass, and its type must survive
+        value = x.item()
+        return {
+            "$type": "numpy",
+            "dtype": x.dtype.newbyteorder("<").str,
+            "value": _number(value) if isinstance(value, float) else value,
+        }
     if x is None or isinstance(x, bool | str):
         return x
     if isinstance(x, int):
@@ -130,13 +138,6 @@ def _encode(x: Any) -> Any:
         return {"$type": "dict", "items": [[_encode(k), _encode(v)] for k, v in x.items()]}
     if isinstance(x, np.ndarray) and x.dtype.kind in _ARRAY_KINDS:
         return _array(x)
-    if isinstance(x, np.generic) and x.dtype.kind in _ARRAY_KINDS:
-        value = x.item()
-        return {
-            "$type": "numpy",
-            "dtype": x.dtype.newbyteorder("<").str,
-            "value": _number(value) if isinstance(value, float) else value,
-        }
     if isinstance(x, bytes):
         return {"$type": "bytes", "data": base64.b64encode(x).decode("ascii")}
     if isinstance(x, Opaque):

@@ -18,6 +18,7 @@ import argparse
 import contextlib
 import json
 import math
+import os
 import re
 import sys
 from importlib import resources
@@ -252,6 +253,13 @@ def configure(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-open", action="store_true", help="write the file, open no browser")
 
 
+def _graphical() -> bool:
+    """Whether a browser window can open here (not a text browser taking the terminal)."""
+    if os.environ.get("BROWSER") or sys.platform in ("darwin", "win32"):
+        return True
+    return bool(os.environ.get("DISPLAY") or os.environ.get("WAYLAND_DISPLAY"))
+
+
 def run(args: argparse.Namespace) -> int:
     """Write the page and open it in a browser where one is available."""
     import webbrowser
@@ -259,10 +267,12 @@ def run(args: argparse.Namespace) -> int:
     out = write_view(args.path, args.out)
     print(out)
     if not args.no_open:
-        try:
-            opened = webbrowser.get().open(out.resolve().as_uri())
-        except webbrowser.Error:
-            opened = False
+        opened = False
+        if _graphical():
+            try:
+                opened = webbrowser.get().open(out.resolve().as_uri())
+            except webbrowser.Error:
+                opened = False
         if not opened:
             print(f"no browser to open here; open {out} in one", file=sys.stderr)
     return 0

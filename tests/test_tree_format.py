@@ -66,7 +66,13 @@ def hand_tree():
         prefix_len=2,
         observation="<html></script><!-- x -->",
         reward=np.float64(0.25),
-        info={"admissible_actions": ["a", "b"], 3: "int key", "arr": np.arange(3, dtype=np.int16)},
+        info={
+            "admissible_actions": ["a", "b"],
+            3: "int key",
+            "arr": np.arange(3, dtype=np.int16),
+            "score": np.float64(0.1),
+            "flag": np.bool_(True),
+        },
         costs={"generate": 0.5, "env_step": 1e-4},
     )
     tree.add(
@@ -151,6 +157,7 @@ def test_unrepresentable_values_become_opaque_and_stay_stable():
     assert back.meta["when"] == Opaque("builtins.complex", "(1+2j)")
     assert back.meta["blob"] == b"\x00\xff" and back.info == {"k": (1, 2)}
     assert back[0].info[3] == "int key" and back[0].info["arr"].dtype == np.int16
+    assert type(back[0].info["score"]) is np.float64 and type(back[0].info["flag"]) is np.bool_
     assert back[1].observation == {"$type": "not a tag"}  # a dict that looks like a tag
 
 

@@ -9,6 +9,7 @@ import json
 import os
 import re
 import shutil
+import sys
 import time
 from pathlib import Path
 
@@ -309,3 +310,27 @@ def test_page_is_self_contained_and_escapes_what_the_trees_hold(tmp_path):
     assert "<script src" not in html and "<link" not in html and "@import" not in html
     assert not re.search(r"(src|href)\s*=\s*[\"']?(https?:)?//|url\(", html)
     assert html.count("</script>") == html.count("<script")  # no script closed by data
+
+
+def test_view_opens_a_browser_only_where_one_can_show_it(tmp_path, monkeypatch, capsys):
+    import webbrowser
+
+    opened = []
+
+    class Fake:
+        def open(self, url):
+            opened.append(url)
+            return True
+
+    monkeypatch.setattr(webbrowser, "get", lambda *a: Fake())
+    monkeypatch.setattr(sys, "platform", "linux")
+    monkeypatch.delenv("BROWSER", raising=False)
+    monkeypatch.delenv("WAYLAND_DISPLAY", raising=False)
+    monkeypatch.delenv("DISPLAY", raising=False)
+    path = save_trees(tmp_path / "t.json.gz", [RolloutTree("test/T-v0", 0, "obs")])
+    assert cli_main(["view", str(path)]) == 0  # no display: say where the page is
+    assert opened == [] and "no browser to open here" in capsys.readouterr().err
+    monkeypatch.setenv("DISPLAY", ":0")
+    assert cli_main(["view", str(path)]) == 0
+    assert opened == [(tmp_path / "t.html").resolve().as_uri()]
+    assert cli_main(["view", str(path), "--no-open"]) == 0 and len(opened) == 1
