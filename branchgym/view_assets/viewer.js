@@ -80,31 +80,24 @@
     const kids = new Map([[-1, []]]);
     for (const n of tree.nodes) kids.set(n.id, []);
     for (const n of tree.nodes) kids.get(n.parent).push(n.id);
-    const pos = new Map();
-    let row = 0;
-    const stack = [[-1, 0]];
-    const rows = new Map();
-    // iterative post-order (trees can be deep)
-    const order = [];
-    while (stack.length) {
-      const [id, state_] = stack.pop();
-      if (state_ === 0) {
-        stack.push([id, 1]);
-        const c = kids.get(id);
-        for (let i = c.length - 1; i >= 0; i--) stack.push([c[i], 0]);
-      } else order.push(id);
-    }
-    // leaves in pre-order give the rows; a parent takes its first child's row
+    // pre-order (children by k): leaves take rows top down; in reverse, every parent
+    // comes after its children and takes its first child's row
     const pre = [];
-    const st = [-1];
-    while (st.length) {
-      const id = st.pop();
+    const stack = [-1];
+    while (stack.length) {
+      const id = stack.pop();
       pre.push(id);
       const c = kids.get(id);
-      for (let i = c.length - 1; i >= 0; i--) st.push(c[i]);
+      for (let i = c.length - 1; i >= 0; i--) stack.push(c[i]);
     }
+    const rows = new Map();
+    let row = 0;
     for (const id of pre) if (kids.get(id).length === 0) rows.set(id, row++);
-    for (const id of order) if (!rows.has(id)) rows.set(id, rows.get(kids.get(id)[0]));
+    for (let i = pre.length - 1; i >= 0; i--) {
+      const id = pre[i];
+      if (!rows.has(id)) rows.set(id, rows.get(kids.get(id)[0]));
+    }
+    const pos = new Map();
     const byId = new Map(tree.nodes.map((n) => [n.id, n]));
     pos.set(-1, { x: 0, y: rows.get(-1) * DY });
     for (const n of tree.nodes) pos.set(n.id, { x: (n.step + 1) * DX, y: rows.get(n.id) * DY });
@@ -460,7 +453,6 @@
       select(next);
     }
   });
-  svg.addEventListener("click", () => {}); // clicks on the background keep the selection
 
   // ------------------------------------------------------------------ selectors
   function fillTrees() {
