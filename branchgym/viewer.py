@@ -87,6 +87,7 @@ def tree_view(tree: RolloutTree) -> dict[str, Any]:
                 "done": "terminated" if n.terminated else ("truncated" if n.truncated else ""),
                 "error": n.error,
                 "parse_error": n.parse_error,
+                "invalid": bool(n.parse_error) or n.info.get("invalid_action") is True,
                 "costs": {k: _num(v) for k, v in n.costs.items()},
                 "info": json.dumps(n.info, default=repr)[:4000] if n.info else "",
                 "backbone": n.id in backbone,
@@ -97,6 +98,8 @@ def tree_view(tree: RolloutTree) -> dict[str, Any]:
     branch_points = []
     for b in tree.branch_points():
         on_backbone = b.siblings[0] in backbone
+        valid = [tree.line_valid(s) for s in b.siblings]
+        compared = {r for r, ok in zip(b.returns, valid, strict=True) if ok}
         branch_points.append(
             {
                 "parent": b.parent,
@@ -105,7 +108,9 @@ def tree_view(tree: RolloutTree) -> dict[str, Any]:
                 "token_offset": b.token_offset,
                 "siblings": list(b.siblings),
                 "returns": [_num(r) for r in b.returns],
-                "valid": [tree.line_valid(s) for s in b.siblings],
+                "valid": valid,
+                # every sibling that ran returned the same: no learning signal here
+                "degenerate": len(compared) <= 1,
                 "score": _num(scores.get(b.step)) if on_backbone else None,
             }
         )

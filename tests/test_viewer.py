@@ -176,6 +176,10 @@ def test_view_of_a_training_run_in_headless_chromium(run_dir, browser, tmp_path,
     assert badge.startswith("K=4  G ") and shown == expect[: len(shown)], badge
     returns = page.eval_on_selector(f"[data-bp='{bi}']", "e => JSON.parse(e.dataset.bpReturns)")
     assert returns == list(bps[bi].returns)
+    flags = page.eval_on_selector_all("[data-bp]", "els => els.map(e => e.dataset.bpDegenerate)")
+    ran = [{r for r, x in zip(b.returns, b.siblings, strict=True) if tree.line_valid(x)}
+           for b in bps]  # fmt: skip
+    assert flags == ["1" if len(g) <= 1 else "0" for g in ran]
 
     (err,) = [n for n in tree if n.error]
     leaf = page.locator("[data-error]")
@@ -232,6 +236,7 @@ def large_tree(n_nodes=500, obs_bytes=2_100, seed=0):
             entropies=rng.random(k) * 2,
             observation=obs,
             reward=float(rng.random() < 0.3),
+            parse_error="no Action: line in the reply" if len(tree) % 50 == 7 else None,
             **kw,
         )
 
@@ -265,6 +270,7 @@ def test_view_of_a_500_node_tree_with_1_mb_of_observations(browser, tmp_path, ca
     paint_ms = float(page.evaluate("document.body.dataset.paintMs"))
     assert page.locator("[data-node-id]").count() == len(tree)
     assert page.locator("[data-bp-k]").count() == len(tree.branch_points())
+    assert page.locator("[data-invalid]").count() == sum(1 for n in tree if n.parse_error) > 0
     # a long observation is cut for display and expands on request
     deep = tree.backbone[20]  # off screen: walk there with the keyboard
     page.click(f"[data-node-id='{tree.backbone[0]}'] circle")

@@ -160,6 +160,10 @@
         g.appendChild(c);
         g.appendChild(sv("text", { class: "label", x: -R, y: -R - 5 }, short(n.action, LABEL_CHARS)));
         if (n.leaf) g.appendChild(sv("text", { class: "label ret", x: R + 6, y: 4 }, "G " + fmt(n.return, 2)));
+        if (n.invalid) {
+          g.setAttribute("data-invalid", "1");
+          g.appendChild(sv("circle", { class: "invalid-mark", cx: R * 0.8, cy: -R * 0.8, r: 3 }));
+        }
       }
       g.appendChild(sv("title", {}, "step " + n.step + (n.k ? " · k=" + n.k : "") + " · A " + signed(n.advantage) + "\n" + short(n.action, 200)));
       g.addEventListener("click", (e) => { e.stopPropagation(); select(n.id); });
@@ -177,13 +181,15 @@
       }
       const w = 10 + text.length * 5.6;
       const g = sv("g", {
-        class: "bp", "data-bp": i, "data-bp-k": b.k, "data-bp-step": b.step, "data-bp-parent": b.parent,
+        class: "bp" + (b.degenerate ? " degenerate" : ""), "data-bp": i,
+        "data-bp-degenerate": b.degenerate ? "1" : "0", "data-bp-k": b.k, "data-bp-step": b.step, "data-bp-parent": b.parent,
         "data-bp-returns": JSON.stringify(b.returns),
         transform: "translate(" + (p.x - 20) + "," + (p.y + 10) + ")", // under the fork, clear of the next column
       });
       g.appendChild(sv("rect", { class: "bp-badge", x: 0, y: 0, width: w, height: 15, rx: 7.5 }));
       g.appendChild(sv("text", { class: "label bp", x: 6, y: 11 }, text));
-      g.appendChild(sv("title", {}, "branch point at step " + b.step + ": K = " + b.k + " siblings, returns " + b.returns.map((r) => fmt(r)).join(", ")));
+      g.appendChild(sv("title", {}, "branch point at step " + b.step + ": K = " + b.k + " siblings, returns " + b.returns.map((r) => fmt(r)).join(", ") +
+        (b.degenerate ? "\ndegenerate: every sibling that ran returned the same, so no advantage" : "")));
       g.addEventListener("click", (e) => { e.stopPropagation(); selectBranchPoint(i); });
       fb.appendChild(g);
     });
@@ -407,6 +413,7 @@
       ["forks after", b.parent === -1 ? "the reset state" : "decision " + b.parent, "parent"],
       ["schedule score", fmt(b.score), "score"],
       ["shared tokens", String(b.token_offset), "token_offset"],
+      ["signal", b.degenerate ? "none: every sibling that ran returned the same" : "siblings differ", "degenerate"],
     ]);
     d.appendChild(el("h4", {}, "siblings"));
     const table = el("table", { class: "siblings", "data-field": "siblings" });
