@@ -93,6 +93,10 @@ class TrainArgs:
     """Where metrics.jsonl, checkpoints and curves.png go (default: runs/<algo>-<env>-<seed>)."""
     checkpoint_every: int = 0
     """Save a checkpoint every this many steps (0: only at the end)."""
+    save_trees_every: int = 0
+    """Save the step's rollout trees with the advantages the update used every this many
+    steps, to ``trees/step_NNNNNN.json.gz`` next to metrics.jsonl (0: never); read them
+    with ``branchgym view`` or :func:`branchgym.tree_format.load_trees`."""
     resume: str | None = None
     """A checkpoint folder to resume from, exactly (weights, optimizer, scheduler, step)."""
     overwrite: bool = False
@@ -185,6 +189,7 @@ class TrainArgs:
             "warmup_steps",
             "eval_episodes",
             "eval_every",
+            "save_trees_every",
         ):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:

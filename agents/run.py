@@ -330,6 +330,7 @@ class Run:
         self.eval_end: EvalResult | None = None
         self.last_checkpoint: Path | None = None
         self._pending: dict[str, float] = {}
+        self._step_batch: Batch | None = None  # the step's rollout batch (save_trees)
         self._t0 = time.perf_counter()
         env_name = args.env_id.split("/")[-1]
         self.out_dir = Path(args.out_dir or f"runs/{algo}-{env_name}-{args.seed}")
@@ -352,6 +353,7 @@ class Run:
                 )
             if self.dp.is_main:
                 metrics_file.unlink(missing_ok=True)
+                self._drop_trees_after(0)
         self.dp.barrier()  # no rank reads the folder while rank 0 clears it
         if resume is not None:
             self._load(Path(args.resume), resume)
@@ -631,6 +633,7 @@ class Run:
             from branchgym.agents.vllm_training import behaviour_correction
 
             self.log(behaviour_correction(self, batch))
+        self._step_batch = batch  # its trees and advantages, for save_trees_every
         out: dict[str, list[float]] = {}
         for rows in batch.minibatches(self.args.updates_per_batch):
             for k, v in self.update(batch, rows, loss_fn, **kwargs).items():
@@ -663,6 +666,7 @@ class Run:
         try:
             while self.step < a.steps:
                 self._pending = {}
+                self._step_batch = None
                 self._t0 = time.perf_counter()
                 yield self.step
                 with warnings.catch_warnings():
@@ -677,6 +681,8 @@ class Run:
                 if a.eval_episodes and a.eval_every and self.step % a.eval_every == 0:
                     line.update(self.evaluate().metrics())
                 self.log_line(line)
+                if a.save_trees_every and self.step % a.save_trees_every == 0:
+                    self.save_trees()
                 bar.update(1)
                 bar.set_postfix(
                     {k.split("/")[-1]: f"{line[k]:.3f}" for k in _BAR_KEYS if k in line}
@@ -716,6 +722,32 @@ class Run:
             f"{self.step:06d}"
         ):
             self.save()
+
+    def save_trees(self) -> Path | None:
+        """Write the last update's trees with their advantages (``trees/step_NNNNNN.json.gz``).
+
+        Every rank writes its own share (``_rankR`` in the name when data parallel). None
+        when the step made no update (nothing to save).
+        """
+        from branchgym.tree_format import save_trees
+
+        batch = self._step_batch
+        if batch is None:
+            return None
+        advantages: list[dict[int, float]] = [{} for _ in batch.trees]
+        for d in batch.decisions():
+            advantages[d.tree][d.node] = d.advantage
+        rank = f"_rank{self.dp.rank}" if self.dp.active else ""
+        return save_trees(
+            self.out_dir / "trees" / f"step_{self.step:06d}{rank}.json.gz",
+            batch.trees,
+            advantages,
+            step=self.step,
+            algo=self.algo,
+            env_id=self.args.env_id,
+            run_seed=self.args.seed,
+            groups=list(batch.groups),
+        )
 
     def _save_once(self) -> Path:
         """The checkpoint of the current step (written now unless it already is)."""
@@ -904,6 +936,14 @@ class Run:
     def _continue_metrics(self, step: int) -> None:
         """Resuming into the run's own folder: its log keeps lines up to ``step`` only."""
         self.history = truncate_metrics(self.out_dir / "metrics.jsonl", step)
+        self._drop_trees_after(step)
+
+    def _drop_trees_after(self, step: int) -> None:
+        """Saved trees of steps after ``step`` belong to a run that is being replaced."""
+        for path in (self.out_dir / "trees").glob("step_*.json*"):
+            digits = path.name[len("step_") :].split("_")[0].split(".")[0]
+            if digits.isdigit() and int(digits) > step:
+                path.unlink(missing_ok=True)
 
     def close(self) -> TrainResult:
         """Close the logs, draw the curves, shut the executor down; the run's result."""

@@ -6,6 +6,7 @@ branchgym play ENV_ID                  play by hand, fork with :snap / :restore 
 branchgym bench STUDY [...]            benchmarks (branchgym bench --help)
 branchgym scenarios                    injected faults x fidelity checks: detection matrix
 branchgym train --algo ALGO [...]      train a reference learner (branchgym train --help)
+branchgym view PATH [--out FILE]       a tree file or a run folder's trees as one HTML page
 """
 
 from __future__ import annotations
@@ -368,6 +369,11 @@ COMMANDS: dict[
         configure_scenarios,
         cmd_scenarios,
         "injected fidelity faults x checks: detection matrix (exit 1 on a miss)",
+    ),
+    "view": (
+        _lazy("branchgym.viewer", "configure"),
+        _lazy("branchgym.viewer", "run"),
+        "a rollout tree file or a run's saved trees as one self-contained HTML page",
     ),
     "train": (
         train_cli.configure,

@@ -25,6 +25,7 @@ __all__ = [
     "DataError",
     "GameLoadError",
     "ModelNotCachedError",
+    "TreeFormatError",
     "FidelityViolation",
     "FidelitySetupError",
     "FidelityWarning",
@@ -108,6 +109,10 @@ class GameLoadError(DataError):
 
 class ModelNotCachedError(DataError):
     """A Hugging Face Hub model id is not in the local Hub cache (nothing is downloaded)."""
+
+
+class TreeFormatError(DataError):
+    """A rollout tree file is unreadable, malformed, or of a format version this release lacks."""
 
 
 class FidelityViolation(SnapshotError, AssertionError):

@@ -339,6 +339,11 @@ class RolloutTree:
         """Declare that the siblings under ``parent`` share ``token_offset`` leading tokens."""
         self._fork_offsets[parent] = int(token_offset)
 
+    @property
+    def fork_offsets(self) -> dict[int, int]:
+        """Every declared fork offset: ``parent -> token_offset`` (a copy)."""
+        return dict(self._fork_offsets)
+
     # ------------------------------------------------------------------ structure
     def __len__(self) -> int:
         return len(self.nodes)

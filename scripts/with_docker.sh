@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Run a command (the test suite) with what the SWE-bench tests need on this machine:
-# bubblewrap, git, a running Docker daemon and the offline-built base image.
+# bubblewrap, git, a running Docker daemon and the offline-built base image; and the
+# distribution's chromium, which the viewer tests drive through playwright.
 #
 #   scripts/with_docker.sh .venv/bin/python -m pytest
 #
@@ -17,6 +18,7 @@ command -v dockerd >/dev/null || need+=(docker.io)
 command -v debootstrap >/dev/null || need+=(debootstrap)
 command -v git >/dev/null || need+=(git)
 command -v patch >/dev/null || need+=(patch)
+command -v chromium >/dev/null || need+=(chromium)
 if ((${#need[@]})); then
     if [ "$(id -u)" != 0 ]; then
         echo "with_docker: need root to install ${need[*]} (or install them yourself)" >&2

@@ -64,6 +64,7 @@ def test_built_wheel_installs_in_a_throwaway_venv(tmp_path):
     real = "branchgym/envs/swebench/realistic_repos/"
     assert real + "tasks.json" in names and real + "six/upstream/LICENSE" in names
     assert real + "cachetools/upstream/src/cachetools/__init__.py" in names
+    assert {f"branchgym/view_assets/viewer.{x}" for x in ("html", "js", "css")} <= set(names)
     venv = tmp_path / "venv"
     # The dependencies come from this interpreter's site-packages; the wheel itself is
     # installed into the throwaway venv only, so the imports below can only succeed
