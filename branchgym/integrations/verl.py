@@ -17,15 +17,18 @@ advantages. This module plugs branchgym into both registries:
   docs/estimators.md) in ``extra_fields["branchgym_advantages"]``.
 * ``branchgym`` in verl's advantage-estimator registry (:func:`tree_advantage`): hands
   those per-token advantages to the actor unchanged. They reach it as the batch's
-  token-level scores (``rm_scores``), which :class:`BranchingAgentLoopWorker` fills from
-  the extra field, because verl gives an estimator the token-level rewards, the response
-  mask, the group ids and its config, and nothing else of the batch.
-* :class:`BranchingAgentLoopManager` (``agent_loop_manager_class``): verl's trainer sends
-  every prompt ``rollout.n`` times and expects ``rollout.n`` rows back per prompt; the
-  manager grows one tree per prompt (not one per copy) and its workers return the tree's
-  paths as those rows, padded with rows whose mask is all zero when a tree has fewer
-  paths (a backbone shorter than M decisions). ``rollout.n`` must be at least the tree's
-  ``N = 1 + M(K - 1)``.
+  token-level scores (``rm_scores``: :meth:`PathOutput.as_dict` writes them there),
+  because verl gives an estimator the token-level rewards, the response mask, the group
+  ids and its config, and nothing else of the batch.
+
+verl 0.9.1's default trainer (``trainer.use_v1=True``) stores every output of an agent
+loop as its own row, so a tree's paths are rows as they are (``rollout.n`` = trees per
+prompt, 1 for the spec). Its legacy trainer (``use_v1=False``) sends every prompt
+``rollout.n`` times and expects ``rollout.n`` rows back per prompt:
+:class:`BranchingAgentLoopManager` (``agent_loop_manager_class``) then grows one tree per
+prompt, not one per copy, and its :class:`BranchingAgentLoopWorker` returns the paths as
+those rows, padded with rows whose mask is all zero when a tree has fewer paths (a
+backbone shorter than M decisions); ``rollout.n`` must be at least ``N = 1 + M(K - 1)``.
 
 The server gives the log-prob of each sampled token but not the full distribution, so
 the entropy of each token (the ``entropy`` schedule's eq. 3 input) is its surprisal
@@ -75,6 +78,7 @@ __all__ = [
     "BranchingAgentLoop",
     "BranchingAgentLoopManager",
     "BranchingAgentLoopWorker",
+    "PathOutput",
     "ServerEngine",
     "first_copies",
     "tree_advantage",
@@ -214,6 +218,24 @@ def tree_metrics(tree: RolloutTree, degenerate: int) -> dict[str, float]:
     }
 
 
+class PathOutput(AgentLoopOutput):
+    """One path of a tree as verl's :class:`AgentLoopOutput`; its token scores are advantages.
+
+    verl's v1 trainer stores ``as_dict()`` of each output and reads its ``rm_scores`` as
+    the token-level scores; here they are the path's per-token advantages (0 off the
+    mask), which the ``branchgym`` estimator hands on unchanged.
+    """
+
+    def as_dict(self) -> dict[str, Any]:
+        """The fields of verl, with ``rm_scores`` the per-token advantages."""
+        out = super().as_dict()
+        values = self.extra_fields.get(ADVANTAGES_FIELD)
+        if values is not None:
+            mask = out["response_mask"].to(torch.float32)
+            out["rm_scores"] = torch.tensor(values, dtype=torch.float32) * mask
+        return out
+
+
 @register(AGENT_NAME)
 class BranchingAgentLoop(AgentLoopBase):
     """One branchgym rollout tree per prompt; one output per root-to-leaf path.
@@ -347,12 +369,16 @@ class BranchingAgentLoop(AgentLoopBase):
         return tree, policy
 
     def outputs(self, tree: RolloutTree, policy: Any, rows: int | None = None) -> list[Any]:
-        """One :class:`AgentLoopOutput` per path of ``tree``, then zero-mask rows up to ``rows``."""
+        """One :class:`PathOutput` per path of ``tree``, then zero-mask rows up to ``rows``.
+
+        ``rows=None`` (verl's v1 trainer, which stores every output of a loop as its own
+        row) returns the paths alone.
+        """
         from branchgym.agents.bpo import prompt_advantages, tree_advantages
         from branchgym.agents.rows import path_decisions
 
-        rows = int(rows if rows is not None else self.rollout_config.n)
         paths = tree.token_masks()
+        rows = len(paths) if rows is None else int(rows)
         if len(paths) > rows:
             raise TrainingConfigError(
                 f"the tree has {len(paths)} paths but verl asked for {rows} rows per prompt; "
@@ -420,7 +446,7 @@ class BranchingAgentLoop(AgentLoopBase):
         *,
         padding: bool = False,
     ) -> Any:
-        return AgentLoopOutput(
+        return PathOutput(
             prompt_ids=list(head),
             response_ids=[int(t) for t in response],
             response_mask=[int(x) for x in mask],
@@ -433,6 +459,10 @@ class BranchingAgentLoop(AgentLoopBase):
                 "branchgym_path": int(index),
                 "branchgym_padding": bool(padding),
                 "branchgym_metrics": dict(figures),
+                "branchgym_return": float(ret),
+                # verl's v1 worker copies the last output's reward info to the others:
+                # each path's own return lives in branchgym_return instead
+                "reward_extra_info": {},
                 "turn_scores": [],
                 "tool_rewards": [],
             },
@@ -441,8 +471,9 @@ class BranchingAgentLoop(AgentLoopBase):
     async def run(self, sampling_params: dict[str, Any], **kwargs: Any) -> list[Any]:
         """Grow the tree of this prompt and return its paths (verl's agent-loop entry point).
 
-        ``branchgym_rows`` (set by :class:`BranchingAgentLoopManager`) is how many rows
-        the trainer expects for this prompt (default ``rollout.n``).
+        ``branchgym_rows`` (set by :class:`BranchingAgentLoopManager` for verl's legacy
+        trainer) is how many rows the trainer expects for this prompt; without it (verl's
+        v1 trainer) the outputs are the tree's paths.
         """
         t0 = time.perf_counter()
         tree, policy = await self.grow(sampling_params, **kwargs)

@@ -184,7 +184,7 @@ def test_run_pads_short_trees_and_the_estimator_hands_advantages_on_unchanged():
     rows = N + 2
     cfg = trainer_config(n=rows)
     loop = make_loop(server, tok, cfg)
-    outs = asyncio.run(loop.run({"temperature": 1.0}, **ROW))
+    outs = asyncio.run(loop.run({"temperature": 1.0}, **ROW, branchgym_rows=rows))
     assert len(outs) == rows
     assert [o.extra_fields["branchgym_padding"] for o in outs] == [False] * N + [True] * 2
     assert all(sum(o.response_mask) == 0 for o in outs[N:])
@@ -244,7 +244,7 @@ def test_too_few_rows_and_bad_options_are_typed_errors():
     tok = tiny_tokenizer()
     with pytest.raises(TrainingConfigError, match="rollout.n"):
         loop = make_loop(FakeServerManager(tok), tok, trainer_config(n=2))
-        asyncio.run(loop.run({}, **ROW))
+        asyncio.run(loop.run({}, **ROW, branchgym_rows=2))
     cfg = trainer_config()
     with pytest.raises(TrainingConfigError, match="tail"):  # hydra would wrap it: direct
         bv.BranchingAgentLoop(
@@ -271,3 +271,52 @@ def test_first_copies_takes_one_row_per_prompt():
     assert list(firsts.non_tensor_batch["branchgym_rows"]) == [3, 3]
     with pytest.raises(TrainingConfigError, match="interleaved"):
         bv.first_copies(base.repeat(repeat_times=3, interleave=False), 3)
+
+
+def test_v1_trainer_stores_each_path_as_a_row_with_its_advantages(monkeypatch):
+    """verl's default (v1) worker: each output of the loop is a row; rm_scores = advantages."""
+    from verl.trainer.ppo.v1 import agent_loop_tq
+    from verl.trainer.ppo.v1.utils import compute_advantage_for_multi_trajectories
+
+    tok, _, loop, tree, policy, outs = grow()
+
+    class Store:  # verl's TransferQueue client, in memory
+        def __init__(self):
+            self.puts = []
+
+        async def async_kv_batch_put(self, keys, fields, tags, partition_id):
+            self.puts.append((keys, fields, tags, partition_id))
+
+    store = Store()
+    monkeypatch.setattr(agent_loop_tq, "tq", store)
+    cls = agent_loop_tq.AgentLoopWorkerTQ.__ray_actor_class__  # the class under @ray.remote
+    worker = cls.__new__(cls)
+    worker.tokenizer, worker.processor = tok, None
+    worker.reward_loop_worker_handles, worker.distillation_enabled = None, False
+    worker.mm_processor_kwargs = {}
+    want = [np.asarray(o.extra_fields[bv.ADVANTAGES_FIELD]) for o in outs]
+    masks = [np.asarray(o.response_mask) for o in outs]
+    returns = [o.extra_fields["branchgym_return"] for o in outs]
+    asyncio.run(
+        worker._agent_loop_postprocess(
+            outs, False, uid="p0", session_id=0, global_steps=1, raw_prompt=[], **ROW["extra_info"]
+        )
+    )
+    ((keys, fields, _, partition),) = store.puts
+    assert keys == [f"p0_0_{i}" for i in range(N)] and partition == "train"
+    for i in range(N):
+        np.testing.assert_array_equal(fields["rm_scores"][i].numpy(), want[i].astype(np.float32))
+        np.testing.assert_array_equal(fields["response_mask"][i].numpy(), masks[i])
+    # each path keeps its own return (verl copies the last output's reward to the others)
+    assert [o.extra_fields["branchgym_return"] for o in outs] == returns
+
+    # the v1 trainer's advantage step on those rows, through verl's registry
+    td = fields.select("response_mask", "rm_scores")
+    data = DataProto(batch=td.to_padded_tensor())
+    data.batch["token_level_rewards"] = data.batch["rm_scores"]
+    data.non_tensor_batch["uid"] = np.array(["p0"] * N, dtype=object)
+    before = data.batch["rm_scores"].clone()
+    data = compute_advantage_for_multi_trajectories(
+        data, batch_keys=keys, adv_estimator=bv.ESTIMATOR_NAME, config=AlgoConfig()
+    )
+    torch.testing.assert_close(data.batch["advantages"], before, rtol=0, atol=0)
