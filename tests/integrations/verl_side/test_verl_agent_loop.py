@@ -320,3 +320,20 @@ def test_v1_trainer_stores_each_path_as_a_row_with_its_advantages(monkeypatch):
         data, batch_keys=keys, adv_estimator=bv.ESTIMATOR_NAME, config=AlgoConfig()
     )
     torch.testing.assert_close(data.batch["advantages"], before, rtol=0, atol=0)
+
+
+def test_verl_loads_branchgym_as_a_plugin_in_a_fresh_process():
+    """``import verl`` alone (what every Ray worker does) registers both (verl.plugins)."""
+    import subprocess
+    import sys
+
+    code = (
+        "import verl\n"
+        "from verl.trainer.ppo.core_algos import ADV_ESTIMATOR_REGISTRY as est\n"
+        "from verl.experimental.agent_loop.agent_loop import _agent_loop_registry as loops\n"
+        f"print({bv.ESTIMATOR_NAME!r} in est, {bv.AGENT_NAME!r} in loops)\n"
+    )
+    proc = subprocess.run(
+        [sys.executable, "-W", "ignore", "-c", code], capture_output=True, text=True, timeout=300
+    )
+    assert proc.stdout.split()[-2:] == ["True", "True"], proc.stdout + proc.stderr[-2000:]
