@@ -362,7 +362,11 @@ class Run:
             (self.out_dir / "args.json").write_text(json.dumps(hparams, indent=2, default=str))
             # metrics.jsonl, and TensorBoard / W&B as args.log asks (agents/sinks.py)
             self._metrics = open_sinks(
-                args.log, self.out_dir, hparams, name=f"{algo}-{self.out_dir.name}"
+                args.log,
+                self.out_dir,
+                hparams,
+                name=f"{algo}-{self.out_dir.name}",
+                start_step=self.step,  # > 0 when resumed
             )
 
     # ---------------------------------------------------------------- set-up helpers

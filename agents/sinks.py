@@ -73,9 +73,11 @@ class TensorBoardSink:
     Args:
         folder: Where the event files go.
         hparams: The run's options (recorded once).
+        start_step: The step a resumed run continues from: TensorBoard drops the earlier
+            run's events after it (a crash may have logged steps past its checkpoint).
     """
 
-    def __init__(self, folder: Path, hparams: dict[str, Any]) -> None:
+    def __init__(self, folder: Path, hparams: dict[str, Any], start_step: int = 0) -> None:
         """Open a ``SummaryWriter`` in ``folder`` and record the options."""
         try:
             from torch.utils.tensorboard import SummaryWriter
@@ -85,7 +87,8 @@ class TensorBoardSink:
                 "--log tensorboard", "logging", "tensorboard"
             ) from exc
         self.folder = Path(folder)
-        self.writer = SummaryWriter(log_dir=str(self.folder))
+        purge = start_step + 1 if start_step else None
+        self.writer = SummaryWriter(log_dir=str(self.folder), purge_step=purge)
         flat = _flat_hparams(hparams)
         rows = "\n".join(f"| {k} | {flat[k]} |" for k in sorted(flat))
         self.writer.add_text("hparams", "| option | value |\n|---|---|\n" + rows, 0)
@@ -180,7 +183,14 @@ def check_log(names: Sequence[str]) -> None:
             )
 
 
-def open_sinks(names: Sequence[str], out_dir: Path, hparams: dict[str, Any], *, name: str) -> Sinks:
+def open_sinks(
+    names: Sequence[str],
+    out_dir: Path,
+    hparams: dict[str, Any],
+    *,
+    name: str,
+    start_step: int = 0,
+) -> Sinks:
     """The sinks named in ``names`` for the run in ``out_dir`` (``metrics.jsonl`` always).
 
     Args:
@@ -188,13 +198,14 @@ def open_sinks(names: Sequence[str], out_dir: Path, hparams: dict[str, Any], *, 
         out_dir: The run folder.
         hparams: The run's options, recorded by TensorBoard and W&B.
         name: The run's name (W&B).
+        start_step: The step a resumed run continues from (0 for a new run).
     """
     check_log(names)
     out_dir = Path(out_dir)
     sinks: list[Any] = [JsonlSink(out_dir / "metrics.jsonl")]
     try:
         if "tensorboard" in names:
-            sinks.append(TensorBoardSink(out_dir / "tensorboard", hparams))
+            sinks.append(TensorBoardSink(out_dir / "tensorboard", hparams, start_step))
         if "wandb" in names:
             sinks.append(WandbSink(out_dir, hparams, name=name))
     except BaseException:

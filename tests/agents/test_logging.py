@@ -226,3 +226,18 @@ def test_bench_log_reaches_the_runs_studies_train(tmp_path):
     # outside the context the option is gone again
     run_learner("grpo", 1, tmp_path, env_kwargs=CI_MAZE, steps=1, prompts_per_step=1, n=2)
     assert not (tmp_path / "grpo-1" / "tensorboard").exists()
+
+
+def test_a_resumed_run_replaces_the_tensorboard_steps_after_its_checkpoint(tmp_path):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    first = sinks.TensorBoardSink(tmp_path, {"lr": 0.1})
+    for step in (1, 2, 3):  # steps 2 and 3 were logged after the checkpoint at step 1
+        first.write({"step": step, "charts/return": float(step)})
+    first.close()
+    resumed = sinks.TensorBoardSink(tmp_path, {"lr": 0.1}, start_step=1)
+    resumed.write({"step": 2, "charts/return": 20.0})
+    resumed.close()
+    acc = EventAccumulator(str(tmp_path), size_guidance={"scalars": 0})
+    acc.Reload()
+    assert [(e.step, e.value) for e in acc.Scalars("charts/return")] == [(1, 1.0), (2, 20.0)]

@@ -337,3 +337,36 @@ def test_verl_loads_branchgym_as_a_plugin_in_a_fresh_process():
         [sys.executable, "-W", "ignore", "-c", code], capture_output=True, text=True, timeout=300
     )
     assert proc.stdout.split()[-2:] == ["True", "True"], proc.stdout + proc.stderr[-2000:]
+
+
+def test_the_docs_gpu_config_is_a_valid_verl_config():
+    """docs/integrations.md's two YAML files: verl's schema takes every key they set."""
+    import os
+    import pathlib
+
+    import verl
+    from hydra import compose, initialize_config_dir
+    from verl.utils.config import omega_conf_to_dataclass
+
+    root = pathlib.Path(__file__).resolve().parents[3]
+    blocks = re.findall(r"```yaml\n(.*?)```", (root / "docs/integrations.md").read_text(), re.S)
+    loops, trainer = (OmegaConf.create(b) for b in blocks[:2])
+    with initialize_config_dir(
+        os.path.join(os.path.dirname(verl.__file__), "trainer/config"), version_base=None
+    ):
+        base = compose("ppo_trainer")
+    OmegaConf.set_struct(base, True)  # an unknown key raises
+    ours = {k: v for k, v in OmegaConf.to_container(trainer).items() if k != "defaults"}
+    cfg = OmegaConf.merge(base, ours)
+    rollout = omega_conf_to_dataclass(cfg.actor_rollout_ref.rollout)
+    assert rollout.calculate_log_probs and rollout.agent.default_agent_loop == bv.AGENT_NAME
+    assert omega_conf_to_dataclass(cfg.algorithm).adv_estimator == bv.ESTIMATOR_NAME
+    assert omega_conf_to_dataclass(cfg.actor_rollout_ref.actor).loss_agg_mode == "token-mean"
+    # the agent-loop file builds the registered loop with its options
+    (entry,) = OmegaConf.to_container(loops)
+    assert entry["name"] == bv.AGENT_NAME
+    options = {k: v for k, v in entry.items() if k not in ("name", "_target_")}
+    tok = tiny_tokenizer()
+    loop = make_loop(FakeServerManager(tok), tok, **options)
+    assert type(loop).__module__ + "." + type(loop).__qualname__ == entry["_target_"]
+    assert loop.paths_per_tree == 7 and loop.env_id == "branchgym/WebShop-v0"
