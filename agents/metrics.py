@@ -62,6 +62,8 @@ def rollout_metrics(batch: Batch) -> dict[str, float]:
     nodes = [n for t in trees for n in t.nodes]
     gen_s = sum(s.generate_s for s in stats)
     rollout_s = gen_s + sum(s.env_s for s in stats)
+    generated = sum(s.generated_tokens for s in stats)
+    independent = sum(s.independent_tokens for s in stats)
     return {
         "charts/success": float(np.mean([r.success for r in batch.rows])) if batch.rows else 0.0,
         "charts/return": float(np.mean(rets)) if rets else 0.0,
@@ -79,6 +81,8 @@ def rollout_metrics(batch: Batch) -> dict[str, float]:
         "tokens/generated": float(sum(s.generated_tokens for s in stats)),
         "tokens/independent": float(sum(s.independent_tokens for s in stats)),
         "tokens/per_second": sum(s.generated_tokens for s in stats) / gen_s if gen_s else 0.0,
+        # share of tokens the shared prefixes saved against independent rollouts
+        "branching/tokens_saved": 1.0 - generated / independent if independent else 0.0,
         "branching/snapshots": float(snaps),
         "branching/snapshot_ms": 1000.0 * sum(s.snapshot_s for s in stats) / max(snaps, 1),
         "branching/restore_ms": 1000.0 * sum(s.restore_s for s in stats) / max(restores, 1),

@@ -24,6 +24,7 @@ from typing import Any
 
 from branchgym.agents.lr_schedules import LR_SCHEDULES
 from branchgym.agents.policy_kinds import POLICIES
+from branchgym.agents.sinks import LOG_SINKS
 
 from branchgym.error import TrainingConfigError
 
@@ -152,6 +153,11 @@ class TrainArgs:
     ends that rollout, recorded as an error (the executor's per-call timeout)."""
     progress: bool = True
     """Show a tqdm progress bar."""
+    log: tuple[str, ...] = ("jsonl",)
+    """Metrics sinks, comma-separated: ``jsonl`` (``metrics.jsonl``, always written),
+    ``tensorboard`` (event files in ``out_dir/tensorboard``), ``wandb`` (a W&B run in
+    ``out_dir/wandb``, offline unless ``WANDB_MODE`` is set); the options are recorded as
+    hparams / config (agents/sinks.py; extra ``logging``)."""
     engine: str = "hf"
     """Generation engine: ``hf`` (transformers, in this process) or ``vllm`` (a vLLM worker
     process, prefix caching on, a branch point's siblings as one request; the weights are
@@ -241,6 +247,10 @@ class TrainArgs:
                 bool(self.lora_targets) and all(isinstance(t, str) for t in self.lora_targets),
                 "lora_targets must name modules, e.g. q_proj,v_proj.",
             )
+        if isinstance(self.log, str):  # from Python: "jsonl,tensorboard"
+            self.log = tuple(x.strip() for x in self.log.split(",") if x.strip())
+        for name in self.log:
+            require_one_of("log", name, LOG_SINKS)
         require_one_of("distributed", self.distributed, ("auto", "off", "ddp"))
         require_one_of("engine", self.engine, ("hf", "vllm"))
         require_one_of("vllm_logprobs", self.vllm_logprobs, ("recompute", "tis"))

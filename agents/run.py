@@ -108,6 +108,7 @@ from branchgym.agents.rows import (
     row_weight,
     token_weight,
 )
+from branchgym.agents.sinks import Sinks, open_sinks
 
 from branchgym.batch_rollout import run_batched
 from branchgym.error import CheckpointError, DependencyMissingError, TrainingConfigError
@@ -357,12 +358,18 @@ class Run:
         self.dp.barrier()  # no rank reads the folder while rank 0 clears it
         if resume is not None:
             self._load(Path(args.resume), resume)
-        self._metrics = None  # rank 0 alone writes the run's files
+        self._metrics: Sinks | None = None  # rank 0 alone writes the run's files
         if self.dp.is_main:
-            (self.out_dir / "args.json").write_text(
-                json.dumps({"algo": algo, **dataclasses.asdict(args)}, indent=2, default=str)
+            hparams = {"algo": algo, **dataclasses.asdict(args)}
+            (self.out_dir / "args.json").write_text(json.dumps(hparams, indent=2, default=str))
+            # metrics.jsonl, and TensorBoard / W&B as args.log asks (agents/sinks.py)
+            self._metrics = open_sinks(
+                args.log,
+                self.out_dir,
+                hparams,
+                name=f"{algo}-{self.out_dir.name}",
+                start_step=self.step,  # > 0 when resumed
             )
-            self._metrics = (self.out_dir / "metrics.jsonl").open("a")
 
     # ---------------------------------------------------------------- set-up helpers
     def _env_kwargs(self, kwargs: dict[str, Any]) -> dict[str, Any]:
@@ -765,8 +772,7 @@ class Run:
         clean = {k: (float(v) if k != "step" else int(v)) for k, v in line.items()}
         self.history.append(clean)
         if self._metrics is not None:  # rank 0 only
-            self._metrics.write(json.dumps(clean) + "\n")
-            self._metrics.flush()
+            self._metrics.write(clean)
 
     def evaluate(self) -> EvalResult:
         """Success on the fixed evaluation set (and the exact value where computable)."""

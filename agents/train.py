@@ -147,6 +147,13 @@ def configure(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default=None, help="auto | cpu | cuda")
     p.add_argument("--teacher", default=None, help="OPD teacher model folder")
     p.add_argument(
+        "--log",
+        default=None,
+        metavar="SINKS",
+        help="metrics sinks, comma-separated: jsonl,tensorboard,wandb (metrics.jsonl is "
+        "always written; W&B runs offline unless WANDB_MODE is set)",
+    )
+    p.add_argument(
         "--set",
         dest="options",
         nargs="*",
@@ -207,6 +214,7 @@ def run(ns: argparse.Namespace) -> int:
         "resume",
         "device",
         "teacher",
+        "log",
     ):
         value = getattr(ns, name)
         if value is not None:

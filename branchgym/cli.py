@@ -259,6 +259,14 @@ def configure_bench(p: argparse.ArgumentParser) -> None:
             importlib.import_module(module).configure(sp)
         except ImportError as exc:  # a study whose extra is missing still shows up
             sp.set_defaults(_study_error=str(exc))
+        sp.add_argument(
+            "--log",
+            dest="_train_log",
+            default=None,
+            metavar="SINKS",
+            help="metrics sinks of the runs this study trains, comma-separated: "
+            "jsonl,tensorboard,wandb (as branchgym train --log)",
+        )
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
@@ -266,7 +274,11 @@ def cmd_bench(args: argparse.Namespace) -> int:
     if getattr(args, "_study_error", None):
         print(f"branchgym bench {args.study}: {args._study_error}", file=sys.stderr)
         return 2
-    return int(importlib.import_module(args._study_module).main(args) or 0)
+    from branchgym.bench.runs import training_options
+
+    log = {"log": args._train_log} if getattr(args, "_train_log", None) else {}
+    with training_options(**log):
+        return int(importlib.import_module(args._study_module).main(args) or 0)
 
 
 # ------------------------------------------------------------------- scenarios

@@ -11,8 +11,10 @@ studies all use them, so every study measures the same way.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -28,6 +30,7 @@ __all__ = [
     "reach_step",
     "run_learner",
     "sft_checkpoint",
+    "training_options",
     "window_variance",
 ]
 
@@ -86,6 +89,25 @@ class SeedResult:
 #: Former name (``agents.training.Run`` is the training run; this is its reduced result).
 Run = SeedResult
 
+#: Options every training run of the current study gets (``branchgym bench --log``).
+_OPTIONS: dict[str, Any] = {}
+
+
+@contextlib.contextmanager
+def training_options(**options: Any) -> Iterator[None]:
+    """Give every run :func:`run_learner` and :func:`sft_checkpoint` start these options.
+
+    ``branchgym bench STUDY --log tensorboard`` uses it, so the studies that train log
+    through the same sinks as ``branchgym train`` without each study passing them on.
+    """
+    saved = dict(_OPTIONS)
+    _OPTIONS.update(options)
+    try:
+        yield
+    finally:
+        _OPTIONS.clear()
+        _OPTIONS.update(saved)
+
 
 def run_learner(
     algo: str,
@@ -102,7 +124,7 @@ def run_learner(
 
     label = label or algo
     out = folder / f"{label.replace(' ', '_').replace('=', '')}-{seed}"
-    opts = {"policy": "scoring", "progress": False, "overwrite": True, **options}
+    opts = {"policy": "scoring", "progress": False, "overwrite": True, **_OPTIONS, **options}
     result = train(
         algo, env_id=env_id, env_kwargs=dict(env_kwargs or {}), seed=seed, out_dir=str(out), **opts
     )
@@ -151,6 +173,7 @@ def sft_checkpoint(
         "noise": 0.3,
         "progress": False,
         "overwrite": True,
+        **_OPTIONS,
         **options,
     }
     result = train(
