@@ -1,0 +1,1 @@
+"""Adapters that put branchgym envs into other frameworks (skyrl-gym, ...)."""
