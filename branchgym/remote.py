@@ -135,6 +135,7 @@ class Connection:
                 open_timeout=connect_timeout,
                 max_size=None,
                 proxy=None,
+                legacy=True,  # a connection held across calls, not a context manager
                 compression=None,
             )
         except Exception as exc:
@@ -156,6 +157,8 @@ class Connection:
         except Exception:  # already gone
             pass
         code = getattr(getattr(exc, "rcvd", None), "code", None)
+        if code == 1008:
+            return RemoteAuthError(f"the server refused the connection ({exc})", "UNAUTHORIZED")
         if code == 1009:
             return RemoteError(
                 f"the server closed the connection: a message was over its size limit ({exc})",
@@ -168,7 +171,12 @@ class Connection:
         if self._closed:
             raise RemoteError(f"the connection to {self.url} is closed", "CONNECTION_LOST")
         try:
-            self._ws.send(text)
+            try:
+                self._ws.send(text)
+            except Exception:
+                # A refused connection (wrong token, idle timeout) sends its error, then
+                # closes; if the close beat this send, the error is still queued: read it.
+                pass
             raw = self._ws.recv(timeout=self.timeout)
         except TimeoutError as exc:
             self._lost(exc)
