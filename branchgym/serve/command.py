@@ -41,8 +41,6 @@ def configure(p: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """Build the server and serve until interrupted."""
-    from branchgym.serve.server import TOKEN_ENV, BranchgymServer, ServeLimits, run_server
-
     try:
         kwargs = json.loads(args.env_kwargs)
     except json.JSONDecodeError as exc:
@@ -51,12 +49,15 @@ def run(args: argparse.Namespace) -> int:
         raise OptionError(f"--env-kwargs must be a JSON object, got {args.env_kwargs!r}")
     if not 0 <= args.port <= 65535:
         raise OptionError(f"--port must be 0..65535, got {args.port}")
-    token = args.token or os.environ.get(TOKEN_ENV) or None
+    token = args.token or os.environ.get("BRANCHGYM_SERVE_TOKEN") or None
     if token is None and args.host not in ("127.0.0.1", "localhost", "::1"):
         raise OptionError(
             f"serving on {args.host} without a token lets anyone on the network run the env; "
-            f"give --token (or ${TOKEN_ENV})"
+            "give --token (or $BRANCHGYM_SERVE_TOKEN)"
         )
+    # imported only now: OpenEnv's server stack takes seconds to import
+    from branchgym.serve.server import BranchgymServer, ServeLimits, run_server
+
     limits = ServeLimits(
         max_sessions=args.max_sessions,
         max_snapshots_per_session=args.max_snapshots,
