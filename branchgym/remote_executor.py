@@ -354,13 +354,15 @@ class FleetExecutor(Executor):
         env_kwargs: dict[str, Any] | None = None,
         token: str | None = None,
         actor_options: dict[str, Any] | None = None,
+        host: str | None = None,
         **kwargs: Any,
     ) -> FleetExecutor:
         """Start ``n_servers`` servers as Ray actors (``ray.init`` first) and connect to them.
 
-        Each actor serves ``env_id`` on its node's address and a free port, with
-        ``token`` (a random one when not given: the servers listen beyond loopback).
-        The actors stop with :meth:`shutdown`.
+        Each actor serves ``env_id`` on its node's address (or ``host``: ``127.0.0.1``
+        for a one-machine cluster) and a free port, with ``token`` (a random one when not
+        given: the servers may listen beyond loopback). The actors stop with
+        :meth:`shutdown`; ``kwargs`` go to :class:`FleetExecutor`.
         """
         try:
             import ray
@@ -374,7 +376,7 @@ class FleetExecutor(Executor):
 
         token = token or secrets.token_hex(16)
         actor = ray.remote(_RayServer).options(**{"num_cpus": 0, **(actor_options or {})})
-        actors = [actor.remote(env_id, env_kwargs or {}, token) for _ in range(n_servers)]
+        actors = [actor.remote(env_id, env_kwargs or {}, token, host) for _ in range(n_servers)]
         urls = ray.get([a.url.remote() for a in actors])
         fleet = cls(urls, token=token, **kwargs)
         fleet._actors = actors
@@ -387,15 +389,15 @@ EXECUTORS["fleet"] = FleetExecutor
 class _RayServer:
     """A Ray actor running one ``branchgym serve`` server on a background thread."""
 
-    def __init__(self, env_id: str, env_kwargs: dict[str, Any], token: str) -> None:
+    def __init__(
+        self, env_id: str, env_kwargs: dict[str, Any], token: str, host: str | None
+    ) -> None:
         from branchgym.serve.server import BranchgymServer, run_server
 
-        try:
+        if host is None:
             import ray
 
             host = ray.util.get_node_ip_address()
-        except Exception:  # not inside Ray (tests): loopback
-            host = "127.0.0.1"
         probe = socket.socket()
         probe.bind((host, 0))
         port = probe.getsockname()[1]
