@@ -20,6 +20,12 @@ the connection, when it disconnects. Limits (:class:`ServeLimits`): sessions, li
 snapshots per session, idle seconds, message bytes. Bad input gets
 ``{"type": "error", "data": {"code", "message", "error_type"}}`` and the server goes on.
 See docs/serving.md.
+
+Why this module is over 600 lines: the session table, the snapshot store, the message
+handlers and the WebSocket loop share one lock and the rule that a connection owns its
+sessions and snapshots (released when it goes, counted against its limits); one class
+keeps those invariants in one place. The OpenEnv ``Environment`` adapter is
+:mod:`branchgym.serve.environment`.
 """
 
 from __future__ import annotations
@@ -42,25 +48,27 @@ from typing import Any
 
 import gymnasium as gym
 
-from branchgym.core import Snapshot, live_snapshots, reseed, restore, snapshot, state_digest
+from branchgym.core import Snapshot, live_snapshots, reseed, state_digest
 from branchgym.error import (
     DependencyMissingError,
     Error,
     OptionError,
-    ResetNeededError,
 )
-from branchgym.serve.wire import PROTOCOL_VERSION, decode, encode, encode_space
+from branchgym.serve.environment import (
+    BranchgymAction,
+    BranchgymEnvironment,
+    BranchgymObservation,
+    BranchgymState,
+    Refusal,
+)
+from branchgym.serve.wire import PROTOCOL_VERSION, encode, encode_space
 
 try:
     from fastapi import FastAPI, WebSocket
     from fastapi.responses import JSONResponse
     from openenv.core.env_server.http_server import HTTPEnvServer
-    from openenv.core.env_server.interfaces import Environment
     from openenv.core.env_server.serialization import deserialize_action, serialize_observation
     from openenv.core.env_server.types import (
-        Action,
-        Observation,
-        State,
         WSCloseMessage,
         WSErrorResponse,
         WSObservationResponse,
@@ -69,7 +77,7 @@ try:
         WSStateResponse,
         WSStepMessage,
     )
-    from pydantic import Field, ValidationError
+    from pydantic import ValidationError
 except ImportError as exc:  # pragma: no cover - exercised only without the extra
     raise DependencyMissingError.for_extra("branchgym serve", "serve", "openenv") from exc
 
@@ -112,129 +120,6 @@ class ServeLimits:
                 raise OptionError(f"{name} must be an integer >= 1, got {getattr(self, name)!r}")
         if not self.idle_timeout > 0:
             raise OptionError(f"idle_timeout must be positive seconds, got {self.idle_timeout!r}")
-
-
-# ------------------------------------------------------------ the OpenEnv Environment
-
-
-class BranchgymAction(Action):
-    """An action for a served env: ``{"action": ...}`` (encoded by ``branchgym.serve.wire``)."""
-
-    action: Any = Field(..., description="the env's action: a string for text envs")
-
-
-class BranchgymObservation(Observation):
-    """A served env's observation with Gymnasium's ``info``, ``terminated`` and ``truncated``."""
-
-    observation: Any = Field(default=None, description="the env's observation (wire-encoded)")
-    info: dict[str, Any] = Field(default_factory=dict, description="the env's info dict")
-    terminated: bool = Field(default=False, description="the episode ended in the MDP")
-    truncated: bool = Field(default=False, description="the episode was cut (time limit)")
-
-
-class BranchgymState(State):
-    """OpenEnv's state plus the env id and whether the episode is over."""
-
-    env_id: str = Field(default="", description="the served env's registered id")
-    done: bool = Field(default=False, description="terminated or truncated")
-
-
-class _Refused(Exception):
-    """A request the protocol refuses: carries its error code and the branchgym error type."""
-
-    def __init__(self, code: str, message: str, error_type: str | None = None) -> None:
-        super().__init__(message)
-        self.code = code
-        self.error_type = error_type
-
-
-class BranchgymEnvironment(Environment[BranchgymAction, BranchgymObservation, BranchgymState]):
-    """A branchgym env (a ``gym.make`` stack) as an OpenEnv ``Environment``.
-
-    Steps after the episode ended are refused (``EPISODE_DONE``) until a reset or a
-    restore: Gymnasium leaves them undefined, and a remote caller should hear about it.
-    """
-
-    SUPPORTS_CONCURRENT_SESSIONS = True
-
-    def __init__(self, make_env: Callable[[], gym.Env], env_id: str = "") -> None:
-        """Build one env instance with ``make_env``."""
-        super().__init__()
-        self.env = make_env()
-        self.env_id = env_id
-        self.done = False
-        self.step_count = 0
-        self.episode_id: str | None = None
-
-    @staticmethod
-    def _observation(obs: Any, info: dict, reward: Any = None, term=False, trunc=False):
-        return BranchgymObservation(
-            observation=encode(obs),
-            info=encode(dict(info)),
-            reward=None if reward is None else float(reward),
-            done=bool(term or trunc),
-            terminated=bool(term),
-            truncated=bool(trunc),
-        )
-
-    def reset(
-        self,
-        seed: int | None = None,
-        episode_id: str | None = None,
-        options: dict[str, Any] | None = None,
-        reseed: int | None = None,
-        **kwargs: Any,
-    ) -> BranchgymObservation:
-        """Reset the env; ``reseed`` then gives it a fresh RNG (a branching sibling)."""
-        obs, info = self.env.reset(seed=seed, options=decode(options) if options else None)
-        self._reseed(reseed)
-        self.done, self.step_count = False, 0
-        self.episode_id = episode_id or secrets.token_hex(8)
-        return self._observation(obs, info)
-
-    def step(
-        self, action: BranchgymAction, timeout_s: float | None = None, **kwargs: Any
-    ) -> BranchgymObservation:
-        """Step the env with the decoded action."""
-        if self.done:
-            raise _Refused(
-                "EPISODE_DONE",
-                "the episode is over (terminated or truncated); reset, or restore a snapshot, "
-                "before stepping again",
-                ResetNeededError.__name__,
-            )
-        value = decode(action.action) if isinstance(action, BranchgymAction) else action
-        obs, reward, term, trunc, info = self.env.step(value)
-        self.done = bool(term or trunc)
-        self.step_count += 1
-        return self._observation(obs, info, reward, term, trunc)
-
-    @property
-    def state(self) -> BranchgymState:
-        """Episode id, steps taken and whether the episode is over."""
-        return BranchgymState(
-            episode_id=self.episode_id, step_count=self.step_count, env_id=self.env_id,
-            done=self.done,
-        )  # fmt: skip
-
-    def snapshot(self) -> Snapshot:
-        """Snapshot the whole stack."""
-        return snapshot(self.env)
-
-    def restore(self, snap: Snapshot, done: bool, steps: int, reseed: int | None = None):
-        """Restore ``snap`` (taken when the episode was ``done`` after ``steps`` steps)."""
-        obs, info = restore(self.env, snap)
-        self._reseed(reseed)
-        self.done, self.step_count = done, steps
-        return self._observation(obs, info)
-
-    def _reseed(self, seed: int | None) -> None:
-        if seed is not None:
-            reseed(self.env, int(seed))
-
-    def close(self) -> None:
-        """Close the env."""
-        self.env.close()
 
 
 # ------------------------------------------------------------------------ the server
@@ -351,7 +236,7 @@ class BranchgymServer:
     def _open_session(self, conn: _Conn) -> _Session:
         with self._lock:
             if len(self.sessions) >= self.limits.max_sessions:
-                raise _Refused(
+                raise Refusal(
                     "CAPACITY_REACHED",
                     f"the server holds its limit of {self.limits.max_sessions} sessions; close "
                     "a session, or start the server with a larger --max-sessions",
@@ -369,7 +254,7 @@ class BranchgymServer:
                 with self._lock:
                     self.sessions.pop(sid, None)
                     conn.sessions.pop(sid, None)
-                raise _Refused(
+                raise Refusal(
                     "FACTORY_ERROR", f"building {self.env_id} failed: {type(exc).__name__}: {exc}"
                 ) from exc
         return placeholder
@@ -386,17 +271,17 @@ class BranchgymServer:
         if sid is None:
             if conn.primary is None:
                 if not create:
-                    raise _Refused("UNKNOWN_SESSION", "this connection has no session yet; reset")
+                    raise Refusal("UNKNOWN_SESSION", "this connection has no session yet; reset")
                 conn.primary = self._open_session(conn).sid
             return conn.sessions[conn.primary]
         if sid == "new":
             return self._open_session(conn)
         if not isinstance(sid, str):
-            raise _Refused("VALIDATION_ERROR", f"session must be a string id, got {sid!r}")
+            raise Refusal("VALIDATION_ERROR", f"session must be a string id, got {sid!r}")
         session = conn.sessions.get(sid)
         if session is None:
             where = "another connection" if sid in self.sessions else "no session"
-            raise _Refused(
+            raise Refusal(
                 "UNKNOWN_SESSION",
                 f"session {sid!r} is not open on this connection ({where} holds it); use an id "
                 "this connection's reset or fork returned",
@@ -406,13 +291,13 @@ class BranchgymServer:
     # -- snapshots -------------------------------------------------------------------
     def _lookup(self, snapshot_id: Any) -> _Held:
         if not isinstance(snapshot_id, str):
-            raise _Refused(
+            raise Refusal(
                 "VALIDATION_ERROR",
                 f"snapshot_id must be a string, got {type(snapshot_id).__name__}",
             )
         server = snapshot_id.split(":", 1)[0]
         if server != self.server_id:
-            raise _Refused(
+            raise Refusal(
                 "FOREIGN_SNAPSHOT",
                 f"snapshot {snapshot_id!r} was taken on server {server!r}, this is server "
                 f"{self.server_id!r}: restore it through a connection to the server that "
@@ -421,7 +306,7 @@ class BranchgymServer:
             )
         held = self.snaps.get(snapshot_id)
         if held is None:
-            raise _Refused(
+            raise Refusal(
                 "UNKNOWN_SNAPSHOT",
                 f"snapshot {snapshot_id!r} is not held by this server: it was released, or the "
                 "connection that took it disconnected",
@@ -445,19 +330,23 @@ class BranchgymServer:
     def handle(self, conn: _Conn, msg: Any) -> Any:
         """Answer one decoded message (``_CLOSE`` ends the connection)."""
         if not isinstance(msg, dict):
-            raise _Refused("VALIDATION_ERROR", 'a message is a JSON object {"type", "data"}')
+            raise Refusal("VALIDATION_ERROR", 'a message is a JSON object {"type", "data"}')
         kind = msg.get("type", "")
         op = getattr(self, f"_op_{kind}", None) if isinstance(kind, str) else None
         if op is None or kind == "batch":
-            raise _Refused(
+            raise Refusal(
                 "UNKNOWN_TYPE",
                 f"unknown message type {kind!r}; the types are {', '.join(self.message_types())}",
             )
         data = msg.get("data", {})
         if not isinstance(data, dict):
-            raise _Refused("VALIDATION_ERROR", "a message's data must be a JSON object")
-        self.counts[kind] += 1
+            raise Refusal("VALIDATION_ERROR", "a message's data must be a JSON object")
+        self._count(kind)
         return op(conn, msg.get("session"), data, msg)
+
+    def _count(self, what: str) -> None:
+        with self._lock:
+            self.counts[what] += 1
 
     @classmethod
     def message_types(cls) -> list[str]:
@@ -476,7 +365,7 @@ class BranchgymServer:
 
     def _locked(self, session: _Session, fn: Callable[[], Any]) -> Any:
         if not session.lock.acquire(blocking=False):
-            raise _Refused("SESSION_ERROR", f"session {session.sid} is busy with another call")
+            raise Refusal("SESSION_ERROR", f"session {session.sid} is busy with another call")
         try:
             return fn()
         finally:
@@ -519,7 +408,7 @@ class BranchgymServer:
         session = self._session(conn, sid, create=False)
         portable = bool(data.get("portable", False))
         if not portable and session.taken >= self.limits.max_snapshots_per_session:
-            raise _Refused(
+            raise Refusal(
                 "SNAPSHOT_LIMIT",
                 f"session {session.sid} holds {session.taken} live snapshots, the server's limit; "
                 "release some (or raise --max-snapshots)",
@@ -551,12 +440,12 @@ class BranchgymServer:
     def _restore_into(self, session: _Session, data: dict) -> BranchgymObservation:
         rs = data.get("reseed")
         if rs is not None and not isinstance(rs, int):
-            raise _Refused("VALIDATION_ERROR", f"reseed must be an integer, got {rs!r}")
+            raise Refusal("VALIDATION_ERROR", f"reseed must be an integer, got {rs!r}")
         if "blob" in data:
             try:
                 blob = base64.b64decode(data["blob"], validate=True)
             except (TypeError, ValueError) as exc:
-                raise _Refused("VALIDATION_ERROR", f"blob is not base64: {exc}") from exc
+                raise Refusal("VALIDATION_ERROR", f"blob is not base64: {exc}") from exc
             snap = Snapshot.from_bytes(blob)  # signature checked with this server's key
             with snap:
                 return session.env.restore(
@@ -584,7 +473,7 @@ class BranchgymServer:
     def _op_release(self, conn, sid, data, msg):
         ids = data.get("snapshot_ids", [data["snapshot_id"]] if "snapshot_id" in data else [])
         if not isinstance(ids, list):
-            raise _Refused("VALIDATION_ERROR", "snapshot_ids must be a list of ids")
+            raise Refusal("VALIDATION_ERROR", "snapshot_ids must be a list of ids")
         for i in ids:
             if isinstance(i, str) and i.split(":", 1)[0] != self.server_id:
                 self._lookup(i)  # raises FOREIGN_SNAPSHOT
@@ -600,7 +489,7 @@ class BranchgymServer:
         session = self._session(conn, sid)
         seed = data.get("seed")
         if seed is not None and not isinstance(seed, int):
-            raise _Refused("VALIDATION_ERROR", f"seed must be an integer or null, got {seed!r}")
+            raise Refusal("VALIDATION_ERROR", f"seed must be an integer or null, got {seed!r}")
         self._locked(session, lambda: reseed(session.env.env, seed))
         return {"type": "reseeded", "session": session.sid}
 
@@ -659,7 +548,7 @@ class BranchgymServer:
 
     # -- the app --------------------------------------------------------------------------
     def _error(self, exc: BaseException) -> dict:
-        if isinstance(exc, _Refused):
+        if isinstance(exc, Refusal):
             data = {"message": str(exc), "code": exc.code}
             if exc.error_type:
                 data["error_type"] = exc.error_type
@@ -675,7 +564,7 @@ class BranchgymServer:
                 "code": "EXECUTION_ERROR",
                 "error_type": type(exc).__name__ if isinstance(exc, Error) else None,
             }
-        self.counts["errors"] += 1
+        self._count("errors")
         return WSErrorResponse(data=data).model_dump()
 
     async def _answer(self, conn: _Conn, msg: Any) -> Any:
@@ -683,8 +572,8 @@ class BranchgymServer:
         if isinstance(msg, dict) and msg.get("type") == "batch":
             calls = (msg.get("data") or {}).get("calls")
             if not isinstance(calls, list):
-                return self._error(_Refused("VALIDATION_ERROR", "batch data needs a calls list"))
-            self.counts["batch"] += 1
+                return self._error(Refusal("VALIDATION_ERROR", "batch data needs a calls list"))
+            self._count("batch")
             results = await asyncio.gather(*(self._answer(conn, c) for c in calls))
             results = [{"type": "closed"} if r is _CLOSE else r for r in results]
             return {"type": "batch", "data": {"results": results}}
@@ -707,8 +596,8 @@ class BranchgymServer:
     async def _ws(self, websocket: WebSocket) -> None:
         await websocket.accept()
         if not self._authorized(dict(websocket.scope["headers"]), websocket.scope["query_string"]):
-            self.counts["unauthorized"] += 1
-            err = _Refused(
+            self._count("unauthorized")
+            err = Refusal(
                 "UNAUTHORIZED",
                 "missing or wrong token: send the header 'Authorization: Bearer <token>' "
                 f"(the server's --token or ${TOKEN_ENV})",
@@ -724,7 +613,7 @@ class BranchgymServer:
                 try:
                     event = await asyncio.wait_for(websocket.receive(), self.limits.idle_timeout)
                 except asyncio.TimeoutError:
-                    err = _Refused(
+                    err = Refusal(
                         "IDLE_TIMEOUT",
                         f"no message for {self.limits.idle_timeout} s: the connection is closed "
                         "and its sessions and snapshots released",
@@ -737,7 +626,7 @@ class BranchgymServer:
                 if raw is None:
                     raw = (event.get("bytes") or b"").decode("utf-8", "replace")
                 if len(raw) > limit:
-                    err = _Refused(
+                    err = Refusal(
                         "MESSAGE_TOO_LARGE",
                         f"message of {len(raw)} bytes is over the server's limit of {limit}; "
                         "send less (no snapshot bytes need cross the wire: use snapshot ids)",
@@ -747,7 +636,7 @@ class BranchgymServer:
                 try:
                     msg = json.loads(raw)
                 except json.JSONDecodeError as exc:
-                    err = _Refused("INVALID_JSON", f"invalid JSON: {exc}")
+                    err = Refusal("INVALID_JSON", f"invalid JSON: {exc}")
                     await websocket.send_text(json.dumps(self._error(err)))
                     continue
                 answer = await self._answer(conn, msg)
@@ -797,7 +686,7 @@ class BranchgymServer:
                 if scope["type"] == "http" and scope["path"] != "/health":
                     if not server._authorized(dict(scope["headers"]), scope["query_string"]):
                         body = server._error(
-                            _Refused("UNAUTHORIZED", "missing or wrong token", "RemoteAuthError")
+                            Refusal("UNAUTHORIZED", "missing or wrong token", "RemoteAuthError")
                         )
                         await JSONResponse(body, status_code=401)(scope, receive, send)
                         return
