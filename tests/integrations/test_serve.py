@@ -97,6 +97,25 @@ def test_check_env_and_the_fidelity_suite_pass_on_a_served_env(servers):
     assert fidelity.restores > 0 and fidelity.snapshots > 0
 
 
+def test_branchgym_check_and_gym_make_reach_a_served_env(servers, monkeypatch, capsys):
+    import gymnasium as gym
+
+    from branchgym.cli import main
+
+    monkeypatch.setenv("BRANCHGYM_REMOTE_URL", servers["main"].url)
+    monkeypatch.setenv("BRANCHGYM_SERVE_TOKEN", TOKEN)
+    assert main(["check", "branchgym.remote:RemoteEnv", "--max-examples", "5"]) == 0
+    out = capsys.readouterr().out
+    assert "[PASS] portability" in out and "OK" in out
+    make = functools.partial(
+        gym.make, "branchgym.remote:branchgym/Remote-v0", url=servers["main"].url, token=TOKEN
+    )
+    env = make()
+    assert isinstance(env.unwrapped, RemoteEnv)
+    env.close()
+    assert check_env(make, seed=3).ok
+
+
 def test_snapshots_stay_on_the_server_and_are_released_there(servers):
     env = remote(servers["main"])
     try:
