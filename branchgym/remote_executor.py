@@ -85,7 +85,7 @@ class FleetExecutor(Executor):
                 self._info[w] = conn.request({"type": "info"})["data"]
                 self._conns[w] = conn
             except RemoteError as exc:
-                self._dead[w] = str(exc)
+                self._dead[w] = f"server {url} unreachable: {exc.code}: {exc}"
         if len(self._dead) == len(self.urls):
             raise ExecutorError(
                 "no server of the fleet answered: "
@@ -239,7 +239,7 @@ class FleetExecutor(Executor):
 
     # -- running a batch ---------------------------------------------------------------
     def _lose(self, w: int, why: str) -> None:
-        """Drop server ``w``: its sessions are lost, its snapshots gone."""
+        """Drop server ``w``; ``why`` is what its calls report. Its sessions and snapshots go."""
         conn, self._conns[w] = self._conns[w], None
         self._dead.setdefault(w, why)
         if conn is not None:
@@ -256,13 +256,13 @@ class FleetExecutor(Executor):
     def _send(self, w: int, messages: list[dict]) -> list[dict] | str:
         conn = self._conns[w]
         if conn is None:
-            return f"server {self.urls[w]} lost ({self._dead.get(w)})"
+            return self._dead.get(w) or f"server {self.urls[w]} lost"
         orphans, self._orphans[w] = self._orphans[w], []
         closes = [{"type": "close", "session": s} for s in orphans]
         try:
             answer = conn.request({"type": "batch", "data": {"calls": closes + messages}})
         except RemoteError as exc:
-            return f"server {self.urls[w]} lost: {exc}"
+            return f"server {self.urls[w]} lost: {exc.code}: {exc}"
         results = (answer.get("data") or {}).get("results")
         if not isinstance(results, list) or len(results) != len(closes) + len(messages):
             return f"server {self.urls[w]} answered a batch of {len(messages)} calls malformed"
@@ -274,7 +274,7 @@ class FleetExecutor(Executor):
         for i, call in enumerate(calls):
             w = call.worker
             if w in self._dead:
-                results[i] = {"error": f"server {self.urls[w]} lost ({self._dead[w]})"}
+                results[i] = {"error": self._dead[w]}
                 continue
             msg = self._message(w, call)
             if "error" in msg or "skip" in msg:
@@ -291,8 +291,8 @@ class FleetExecutor(Executor):
             answers = fut.result()
             if isinstance(answers, str):
                 self._lose(w, answers)
-                for n, (i, _) in enumerate(items):
-                    results[i] = {"error": answers if n == 0 else f"server lost ({answers})"}
+                for i, _ in items:
+                    results[i] = {"error": answers}
                 continue
             for (i, msg), answer in zip(items, answers, strict=True):
                 results[i] = self._result(w, calls[i], msg, answer)
@@ -310,7 +310,7 @@ class FleetExecutor(Executor):
             try:
                 stats = conn.request({"type": "stats"})["data"]
             except RemoteError as exc:
-                self._lose(w, f"server {self.urls[w]} lost: {exc}")
+                self._lose(w, f"server {self.urls[w]} lost: {exc.code}: {exc}")
                 continue
             count += int(stats.get("snapshots", 0))
             nbytes += int(stats.get("snapshot_bytes", 0))
