@@ -134,7 +134,8 @@ def main(argv: list[str] | None = None) -> int:
     leaked = after["sessions"], after["snapshots"], after["live_snapshot_objects"]
     print(
         f"after disconnect: {leaked[0]} sessions, {leaked[1]} snapshots, "
-        f"{leaked[2]} unreleased Snapshot objects on the server"
+        f"{leaked[2]} unreleased Snapshot objects on the server; "
+        f"{after['instances']} env instances kept in its pool for reuse"
     )
     return 0 if leaked == (0, 0, 0) and len(out) == args.clients else 1
 
