@@ -362,6 +362,11 @@ COMMANDS: dict[
     "check": (configure_check, cmd_check, "run the snapshot checks on an env"),
     "play": (configure_play, cmd_play, "play an env in the terminal, forking with snapshots"),
     "bench": (configure_bench, cmd_bench, "run a benchmark study"),
+    "serve": (
+        _lazy("branchgym.serve.command", "configure"),
+        _lazy("branchgym.serve.command", "run"),
+        "serve an env over OpenEnv's protocol, with snapshot, restore and fork (extra: serve)",
+    ),
     "alfworld": (
         alfworld_cli.configure,
         alfworld_cli.run,

@@ -41,6 +41,9 @@ __all__ = [
     "EngineError",
     "TrainingConfigError",
     "CheckpointError",
+    "RemoteError",
+    "RemoteAuthError",
+    "ForeignSnapshotError",
 ]
 
 
@@ -190,3 +193,24 @@ class TrainingConfigError(Error, ValueError):
 
 class CheckpointError(Error, ValueError):
     """A training checkpoint is missing, damaged, or from another algorithm or model."""
+
+
+class RemoteError(Error, RuntimeError):
+    """A served env (``branchgym serve``) refused a request, or its connection broke.
+
+    Attributes:
+        code: The protocol's error code (``VALIDATION_ERROR``, ``MESSAGE_TOO_LARGE``,
+            ``CAPACITY_REACHED``, ``CONNECTION_LOST``, ...); see docs/serving.md.
+    """
+
+    def __init__(self, message: str = "", code: str = "SESSION_ERROR") -> None:
+        super().__init__(message)
+        self.code = code
+
+
+class RemoteAuthError(RemoteError, PermissionError):
+    """A served env refused the connection's token (missing or wrong)."""
+
+
+class ForeignSnapshotError(SnapshotMismatchError):
+    """A remote snapshot id was used on another server, or is unknown (released) on its own."""

@@ -1161,3 +1161,8 @@ def make_executor(name: str | Executor, **kwargs: Any) -> Executor:
     if name not in EXECUTORS:
         raise ExecutorError(f"no executor named {name!r}; use one of {', '.join(EXECUTORS)}")
     return EXECUTORS[name](**kwargs)
+
+
+# The fleet executor (servers of `branchgym serve`) lives in its own module, which adds
+# itself to EXECUTORS as "fleet" when imported.
+import branchgym.remote_executor  # noqa: E402,F401

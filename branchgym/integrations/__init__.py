@@ -1,1 +1,1 @@
-"""branchgym inside other trainers: each module adapts one (``trl``, ``verl``), behind its extra."""
+"""branchgym inside other frameworks: each module adapts one (``trl``, ``verl``, ``skyrl``), behind its extra."""
