@@ -1,1 +1,1 @@
-"""branchgym inside other frameworks: each module adapts one (``trl``, ``verl``, ``skyrl``), behind its extra."""
+"""branchgym inside other frameworks: one module each (trl, verl, skyrl), behind its extra."""
