@@ -39,6 +39,7 @@ __all__ = [
     "ExecutorError",
     "EngineError",
     "TrainingConfigError",
+    "IntegrationError",
     "CheckpointError",
 ]
 
@@ -181,6 +182,10 @@ class EngineError(Error, ValueError):
 
 class TrainingConfigError(Error, ValueError):
     """A learner's options are invalid (unknown algorithm or variant, a value out of range)."""
+
+
+class IntegrationError(Error, RuntimeError):
+    """An installed trainer (TRL) differs from the version whose internals an integration wraps."""
 
 
 class CheckpointError(Error, ValueError):
