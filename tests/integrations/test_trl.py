@@ -388,3 +388,40 @@ def test_trains_on_webshop(tmp_path):
     assert len(logs) == 2
     assert all(h["branching/branch_points"] == 1 and h["env/steps"] > 0 for h in logs)
     assert all(np.isfinite(h["loss"]) for h in logs)
+
+
+@pytest.mark.slow
+def test_the_docs_example_trains(tmp_path, monkeypatch, capsys):
+    """docs/integrations.md's example script, as written, trains and prints tree metrics."""
+    import pathlib
+    import re
+
+    doc = pathlib.Path(__file__).resolve().parents[2] / "docs" / "integrations.md"
+    code = re.search(r"```python\n(.*?)```", doc.read_text(), re.S).group(1)
+    monkeypatch.chdir(tmp_path)
+    torch.set_num_threads(1)  # the shared CI machine: one thread is fastest for the tiny model
+    exec(compile(code, str(doc), "exec"), {"__name__": "__main__"})
+    printed = capsys.readouterr().out.strip().splitlines()[-1]
+    assert "'branching/branch_points': 4.0" in printed  # 2 trees a step, M = 2
+    assert "'branching/tokens_saved'" in printed
+
+
+def test_root_credit_matches_the_bpo_learners_variant(tmp_path):
+    """bpo-root: two backbones per prompt, advantages as bpo.prompt_advantages gives them."""
+    branching = bt.BranchingArgs(
+        estimator="bpo-root",
+        backbones=2,
+        m=1,
+        k=2,
+        schedule="even",
+        max_new_tokens=4,
+        max_episode_steps=2,
+    )
+    tr = trainer(tmp_path, branching=branching)
+    trees, groups = tr.grow([7])
+    assert groups == [0, 0] and len(trees) == 2
+    batch, _ = tr.score(trees, groups)
+    expected = bpo.prompt_advantages(trees, tr.learner_args)
+    for row in batch.rows:
+        for d in row.decisions:
+            assert d.advantage == expected[row.tree][d.node]
