@@ -94,8 +94,7 @@ HOOK_OUTPUT_KEYS = (
     "advantages",
     "num_items_in_batch",
 )
-#: What ``_compute_loss`` must still do with the hook's output for these rows to train
-#: as intended: per-token advantages, the loss mask and the behaviour log-probs.
+#: What ``_compute_loss`` must still read: per-token advantages, loss mask, behaviour log-probs.
 _LOSS_READS = (
     'inputs["advantages"]',
     "advantages.dim() == 1",
@@ -108,8 +107,7 @@ LOSS_AGGREGATIONS = {
     "grpo": "seq-mean-token-mean",
     "luspo": "seq-mean-token-sum",
 }
-#: Estimator name -> (learner, credit or advantage): ``bpo*`` grow trees (docs/algorithms.md
-#: §1, docs/estimators.md), ``grpo``/``rloo`` grow N independent rollouts per prompt (§4).
+#: Estimator -> (learner, credit or advantage): ``bpo*`` trees, ``grpo``/``rloo`` N rollouts.
 ESTIMATORS = {
     "bpo": ("bpo", "lambda"),
     "bpo-root": ("bpo", "root"),
@@ -168,11 +166,7 @@ def check_hook_output(output: dict[str, Any]) -> None:
 
 
 def reset_seeds(n: int, seed: int = 0) -> Any:
-    """A train set of ``n`` prompts: a ``seed`` column of env reset seeds (and a ``prompt``).
-
-    The trainer reads ``seed`` (the task instance); ``prompt`` only names it in TRL's logs,
-    since the env's first observation is the prompt.
-    """
+    """A train set of ``n`` env reset seeds (``seed``; ``prompt`` only names it in logs)."""
     import datasets
 
     if isinstance(n, bool) or not isinstance(n, int) or n < 1:
@@ -327,6 +321,13 @@ class BranchingGRPOTrainer(GRPOTrainer):
                 raise TrainingConfigError(
                     f"GRPOConfig.temperature={args.temperature}: the trees sample at temperature "
                     "1 (the distribution branchgym's losses treat as pi_old); set temperature=1.0."
+                )
+            named = isinstance(model, str) or getattr(model.config, "_name_or_path", "")
+            if args.beta != 0 and not named and kwargs.get("peft_config") is None:
+                raise TrainingConfigError(
+                    f"GRPOConfig.beta={args.beta}: TRL loads its KL reference from the model's "
+                    "name or folder, and this model has none; save it (save_pretrained) and "
+                    "pass the folder, or set beta=0."
                 )
             if args.use_vllm:
                 raise TrainingConfigError(

@@ -149,6 +149,8 @@ def test_bad_options_are_typed_errors(tmp_path):
         bt.BranchingArgs(estimator="bpo-root", schedule="even").learner_args()
     with pytest.raises(TrainingConfigError, match="temperature"):
         trainer(tmp_path, temperature=0.7)
+    with pytest.raises(TrainingConfigError, match="KL reference"):
+        trainer(tmp_path, beta=0.05)  # an in-memory model: no folder to load pi_ref from
     with pytest.raises(TrainingConfigError, match="integer 'seed' column"):
         bt._seed_of({"prompt": "x"})
 
@@ -349,6 +351,7 @@ def test_rloo_topology_gradient_equals_the_rloo_learner(tmp_path):
 # ------------------------------------------------------------------ training runs
 
 
+@pytest.mark.slow
 def test_trains_on_text_tree_mdp(tmp_path):
     model, tok = tiny_qwen2()
     before = {n: p.detach().clone() for n, p in model.named_parameters()}
@@ -425,3 +428,33 @@ def test_root_credit_matches_the_bpo_learners_variant(tmp_path):
     for row in batch.rows:
         for d in row.decisions:
             assert d.advantage == expected[row.tree][d.node]
+
+
+def test_the_kl_term_reads_the_reference_model(tmp_path, fixed_tree):
+    """beta > 0: the hook hands TRL the reference log-probs; at the start pi == pi_ref, so
+    the KL is 0 and the gradient is the beta = 0 one."""
+    from branchgym.agents.models import save_tiny_qwen2
+
+    folder = save_tiny_qwen2(tmp_path / "tiny")  # TRL loads its reference from the folder
+    _, tok = tiny_qwen2()
+
+    def gradient(beta):
+        tr = bt.BranchingGRPOTrainer(
+            str(folder),
+            ENV,
+            env_kwargs=ENV_KWARGS,
+            branching=bt.BranchingArgs(m=2, k=3, schedule="even", max_new_tokens=6),
+            args=config(tmp_path, beta=beta),
+            processing_class=tok,
+            prompt=PickByReply(),
+            prompts=8,
+        )
+        batch, _ = tr.score([fixed_tree], [0])
+        tr.tree_loss(batch).backward()
+        return tr, grads(tr.model)
+
+    with_kl, g_kl = gradient(0.05)
+    assert with_kl.ref_model is not None
+    assert abs(with_kl._metrics["train"]["kl"][-1]) < 1e-6
+    _, g = gradient(0.0)
+    assert_same(g, g_kl)
