@@ -458,10 +458,11 @@ class BranchingGRPOTrainer(GRPOTrainer):
                 n_bp, n_degenerate = n_bp + bp, n_degenerate + deg
             spec = (la.credit, la.backbone_credit, la.backbones, la.depth_weight)
             if spec != ("lambda", "include", 1, False):  # docs/estimators.md, per prompt
-                per_tree = []
                 for g in dict.fromkeys(groups):
                     idx = [i for i, x in enumerate(groups) if x == g]
-                    per_tree.extend(bpo.prompt_advantages([trees[i] for i in idx], la))
+                    adv = bpo.prompt_advantages([trees[i] for i in idx], la)
+                    for i, a in zip(idx, adv, strict=True):
+                        per_tree[i] = a
             skipped = sum(all(v == 0 for v in a.values()) for a in per_tree)
         batch = Batch(trees, list(groups), success_threshold=la.success_threshold)
         batch.set_advantages(lambda row, d: per_tree[row.tree][d.node])
