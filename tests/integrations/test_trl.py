@@ -409,10 +409,11 @@ def test_the_docs_example_trains(tmp_path, monkeypatch, capsys):
     assert "'branching/tokens_saved'" in printed
 
 
-def test_root_credit_matches_the_bpo_learners_variant(tmp_path):
-    """bpo-root: two backbones per prompt, advantages as bpo.prompt_advantages gives them."""
+@pytest.mark.parametrize("estimator", ["bpo-root", "bpo-value_diff"])
+def test_variant_credit_matches_the_bpo_learners(tmp_path, estimator):
+    """Two backbones per prompt; advantages as bpo.prompt_advantages gives them."""
     branching = bt.BranchingArgs(
-        estimator="bpo-root",
+        estimator=estimator,
         backbones=2,
         m=1,
         k=2,
@@ -458,3 +459,17 @@ def test_the_kl_term_reads_the_reference_model(tmp_path, fixed_tree):
     assert abs(with_kl._metrics["train"]["kl"][-1]) < 1e-6
     _, g = gradient(0.0)
     assert_same(g, g_kl)
+
+
+def test_an_env_factory_grows_trees(tmp_path):
+    import gymnasium as gym
+
+    def make_maze():
+        return gym.make(ENV, **ENV_KWARGS, max_episode_steps=2)
+
+    branching = bt.BranchingArgs(m=1, k=2, schedule="even", max_new_tokens=4)
+    tr = trainer(tmp_path, env=make_maze, env_kwargs={}, branching=branching)
+    (tree,), _ = tr.grow([5])
+    assert len(tree.branch_points()) == 1 and len(tree.leaves()) == 2
+    with pytest.raises(TrainingConfigError, match="takes no env_kwargs"):
+        trainer(tmp_path, env=make_maze, env_kwargs={"depth": 2})
