@@ -5,7 +5,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
 # Every extra the test suite exercises.
-TEST_EXTRAS ?= test,llm,ray,webshop,alfworld,swebench,docker,logging,serve,skyrl
+TEST_EXTRAS ?= test,llm,ray,webshop,alfworld,swebench,docker,logging,serve,skyrl,trl
 # The ALFWorld engine, pinned. Installed with --no-deps (its declared dependencies pull
 # spaCy through jericho); the small ones it needs come from the `alfworld` extra. pip then
 # reports that jericho wants spaCy: only jericho's own spaCy helpers import it, and

@@ -40,6 +40,7 @@ __all__ = [
     "ExecutorError",
     "EngineError",
     "TrainingConfigError",
+    "IntegrationError",
     "CheckpointError",
     "RemoteError",
     "RemoteAuthError",
@@ -189,6 +190,10 @@ class EngineError(Error, ValueError):
 
 class TrainingConfigError(Error, ValueError):
     """A learner's options are invalid (unknown algorithm or variant, a value out of range)."""
+
+
+class IntegrationError(Error, RuntimeError):
+    """An installed trainer (TRL) differs from the version whose internals an integration wraps."""
 
 
 class CheckpointError(Error, ValueError):

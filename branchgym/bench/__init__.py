@@ -49,6 +49,10 @@ STUDIES: dict[str, tuple[str, str]] = {
         "branchgym.bench.gradient_noise",
         "each learner's gradient-estimator noise at a frozen policy: NSR, split-half cosine",
     ),
+    "trl": (
+        "branchgym.bench.trl_trainer",
+        "step time of TRL's BranchingGRPOTrainer vs branchgym's bpo: same model, env, trees",
+    ),
     "estimator": (
         "branchgym.bench.estimator",
         "Branching PO and its variants as gradient estimators on TreeMDP vs the exact gradient",
