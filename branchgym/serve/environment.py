@@ -8,6 +8,7 @@ builds them for its stateless HTTP routes.
 from __future__ import annotations
 
 import secrets
+import sys
 from collections.abc import Callable
 from typing import Any
 
@@ -17,7 +18,29 @@ from branchgym.core import Snapshot, reseed, restore, snapshot
 from branchgym.error import DependencyMissingError, ResetNeededError
 from branchgym.serve.wire import decode, encode
 
+
+def _import_openenv_server() -> None:
+    """Import OpenEnv's server package without its Gradio web UI.
+
+    ``openenv.core.env_server``'s ``__init__`` imports its Gradio web interface when gradio
+    is installed (6-13 s on a 2-core machine, most of a server's start-up); the branchgym
+    server never mounts that UI, and OpenEnv's ``__init__`` falls back to ``None`` when the
+    module is missing. The block lasts for this one import only: a later explicit import of
+    ``openenv.core.env_server.web_interface`` loads it as usual.
+    """
+    name = "openenv.core.env_server.web_interface"
+    if "openenv.core.env_server" in sys.modules or name in sys.modules:
+        return
+    sys.modules[name] = None  # type: ignore[assignment]  # makes the import raise
+    try:
+        import openenv.core.env_server  # noqa: F401
+    finally:
+        if sys.modules.get(name, 0) is None:
+            del sys.modules[name]
+
+
 try:
+    _import_openenv_server()
     from openenv.core.env_server.interfaces import Environment
     from openenv.core.env_server.types import Action, Observation, State
     from pydantic import Field
