@@ -33,8 +33,6 @@ from branchgym.digest import stable_hash
 from branchgym.envs.swebench.grading import (
     GradeReport,
     grade,
-    harness_files,
-    rejected_report,
     working_tree_patch,
 )
 from branchgym.envs.swebench.limits import Limits
@@ -526,19 +524,15 @@ class SWEBenchEnv(SnapshottableEnv[str, str]):
             raise ResetNeededError("call env.reset() first")
         if patch is None:
             patch = self.patch()
-        if self.harness_guard and (touched := harness_files(patch)):
-            return rejected_report(
-                self.task,
-                f"the patch changes the test harness ({', '.join(touched[:3])}), which could "
-                "rewrite test outcomes (harness_guard=False grades it as upstream does)",
-            )
         checkout = self._checkout(self.task)
         # Grading starts from the pristine checkout: refuse it if anything changed it.
         if checkout is not None:
             verify_checkout(checkout)
         fresh = self.backend.create(self.task, checkout)
         try:
-            return grade(fresh, self.task, patch, timeout=self.grade_timeout)
+            return grade(
+                fresh, self.task, patch, timeout=self.grade_timeout, guard=self.harness_guard
+            )
         finally:
             fresh.close()
 
@@ -556,6 +550,7 @@ class SWEBenchEnv(SnapshottableEnv[str, str]):
         info = self._info(exit_code=0)
         info.update(
             resolved=report.resolved,
+            rejected=report.rejected,
             report=report.to_swebench()[report.instance_id],
             patch=patch,
         )
