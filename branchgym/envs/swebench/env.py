@@ -217,10 +217,14 @@ class SWEBenchEnv(SnapshottableEnv[str, str]):
             interpreter; or a mapping of instance id or ``owner/name`` (``"*"`` for the
             rest) to the interpreter each repository's venv is made from (one that has
             its dependencies). See :mod:`branchgym.envs.swebench.repo_env`.
-        harness_guard: A submitted patch that adds or changes ``conftest.py``,
-            ``pytest.ini``, ``sitecustomize.py``, ``usercustomize.py`` or a ``.pth`` file
-            is graded "not resolved" (it could rewrite test outcomes). ``False`` grades
-            it as upstream SWE-bench does.
+        harness_guard: Grade from trusted configuration only (default): a patch that
+            changes how the tests run (pytest's configuration files, conftests, start-up
+            hooks, compiled code, package metadata, shadowing modules, test folders,
+            symlinks) is not resolved, and pytest tasks are resolved only where pytest's
+            own recorded reports confirm the log (:mod:`~branchgym.envs.swebench.guard`,
+            :mod:`~branchgym.envs.swebench.outcomes`); ``info["rejected"]`` says why.
+            ``False`` grades as upstream SWE-bench does, which such diffs game
+            (docs/swebench.md, "Reward hacks").
         render_mode: ``"ansi"`` returns the last observation from ``render()``.
     """
 

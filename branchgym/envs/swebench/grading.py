@@ -17,6 +17,11 @@ docs/swebench.md, "Grading"):
    ``FAIL_TO_PASS`` passed (PASSED or XFAIL), ``PASS_TO_PASS`` maintained (or SKIPPED);
    a log without both markers, or whose exit code contradicts it, is not resolved.
 4. A run past its timeout is not resolved (upstream never grades it).
+
+With ``guard=True`` (the env's ``harness_guard``, its default) a patch that changes how
+the tests run is refused after it applies (:mod:`~branchgym.envs.swebench.guard`), and
+a pytest log is trusted only where pytest's own reports, recorded by branchgym's plugin,
+confirm it (:mod:`~branchgym.envs.swebench.outcomes`); see docs/swebench.md, "Reward hacks".
 """
 
 from __future__ import annotations
@@ -215,8 +220,9 @@ class GradeReport:
         return f"Not resolved ({counts}); failing: {', '.join(failing)}."
 
 
-#: File names a patch may not add or change under ``harness_guard``: pytest loads them
-#: (or Python runs them at start-up) before any test, so they can rewrite outcomes.
+#: File names that pytest loads (or Python runs at start-up) before any test. The
+#: harness guard checks far more (:mod:`~branchgym.envs.swebench.guard`); this list
+#: is the quick check of a patch's text alone.
 HARNESS_NAMES = ("conftest.py", "pytest.ini", "sitecustomize.py", "usercustomize.py")
 
 
@@ -427,7 +433,9 @@ def grade(
             record = ""
             rejected = f"the trusted outcome record is gone ({exc}): the test run removed it"
         if not rejected:
-            rejected = outcomes.check(record, task, status_map, _parser(task, spec))
+            rejected = outcomes.check(
+                record, task, status_map, _parser(task, spec), key=recorder.key
+            )
         check = "pytest reports" if not rejected else "pytest reports disagree"
         if rejected:
             resolved = False

@@ -31,6 +31,8 @@ tasks are graded from the log alone, and the report says so.
 from __future__ import annotations
 
 import dataclasses
+import hashlib
+import hmac
 import json
 import secrets
 from collections.abc import Mapping, Sequence
@@ -50,6 +52,8 @@ PYTEST_PARSERS = frozenset({"parse_log_pytest", "parse_log_pytest_options", "par
 #: hooks pytest 6 to 9 share.
 PLUGIN_SOURCE = r'''
 """branchgym's outcome recorder (see branchgym.envs.swebench.outcomes)."""
+import hashlib as _hashlib
+import hmac as _hmac
 import json as _json
 import os as _os
 import sys as _sys
@@ -58,11 +62,25 @@ import pytest as _pytest_mod
 
 _PATH = {path!r}
 _NAME = {name!r}
+_KEY = bytes.fromhex({key!r})
 _FD = _os.open(_PATH, _os.O_WRONLY | _os.O_APPEND)
+_MAC = [b""]
 
 
 def _emit(**event):
-    _os.write(_FD, (_json.dumps(event) + "\n").encode())
+    # Each line is chained to the last with a key only this process holds: a line
+    # written by anything else breaks the chain.
+    body = _json.dumps(event, sort_keys=True)
+    _MAC[0] = _hmac.new(_KEY, _MAC[0] + body.encode(), _hashlib.sha256).hexdigest().encode()
+    _os.write(_FD, (_json.dumps({{"e": event, "mac": _MAC[0].decode()}}) + "\n").encode())
+
+
+# The key leaves the disk: the source (and any bytecode of it) is removed once imported.
+for _p in (__file__, getattr(__spec__, "cached", None) or ""):
+    try:
+        _os.unlink(_p)
+    except OSError:
+        pass
 
 
 # Out of the environment: nothing the tests start loads this plugin again.
@@ -203,11 +221,13 @@ class Recorder:
         name: The plugin's module name (random).
         folder: Its folder, relative to the work tree.
         report: The record's path, relative to the work tree.
+        key: The key that chains the record's lines (hex), known to the plugin only.
     """
 
     name: str
     folder: str
     report: str
+    key: str = dataclasses.field(default="", repr=False)
 
     def environment(self, base: Mapping[str, str], workdir: str) -> dict[str, str]:
         """``base`` with the plugin named in ``PYTEST_ADDOPTS`` and its folder on ``PYTHONPATH``."""
@@ -224,16 +244,17 @@ class Recorder:
 def install(sandbox: Sandbox) -> Recorder:
     """Write the plugin and an empty record into ``sandbox`` (under ``.git/``, unseen by tests)."""
     token = secrets.token_hex(8)
+    key = secrets.token_hex(32)
     name = f"_branchgym_outcomes_{token}"
     folder = f".git/branchgym-{token}"
     report = f"{folder}/{token}.jsonl"
     path = f"{sandbox.workdir}/{report}"
     sandbox.write(report, b"", mode=0o666)
-    source = PLUGIN_SOURCE.format(path=path, name=name)
+    source = PLUGIN_SOURCE.format(path=path, name=name, key=key)
     sandbox.write(f"{folder}/{name}.py", source.encode(), mode=0o644)
     # The tests may run as another user than the one who wrote the files.
     sandbox.exec(f"chmod 755 {folder} 2>/dev/null; true", cwd=sandbox.workdir, timeout=30)
-    return Recorder(name, folder, report)
+    return Recorder(name, folder, report, key)
 
 
 def _statuses(events: Sequence[Mapping[str, Any]]) -> dict[str, str]:
@@ -269,6 +290,7 @@ def check(
     task: SWEBenchTask,
     status_map: Mapping[str, str],
     parse: Any = None,
+    key: str = "",
 ) -> str:
     """Why the log's verdict cannot be trusted ("" when the record confirms it).
 
@@ -279,13 +301,21 @@ def check(
         parse: The repository's log parser (``log -> status map``), to read the
             record's statuses under the same test names as the log's; default: names
             as pytest gives them.
+        key: The recorder's key (:attr:`Recorder.key`): each line's chained MAC is checked.
     """
     events = []
+    mac = b""
     for line in record.splitlines():
         try:
-            events.append(json.loads(line))
-        except json.JSONDecodeError:
-            return "the outcome record has a line that is not pytest's (it was written to)"
+            obj = json.loads(line)
+            event, given = obj["e"], str(obj["mac"])
+            body = json.dumps(event, sort_keys=True).encode()
+        except (json.JSONDecodeError, KeyError, TypeError):
+            return "the outcome record has a line its plugin did not write (it was written to)"
+        mac = hmac.new(bytes.fromhex(key), mac + body, hashlib.sha256).hexdigest().encode()
+        if not hmac.compare_digest(mac, given.encode()):
+            return "the outcome record has a line its plugin did not write (it was written to)"
+        events.append(event)
     kinds = [e.get("event") for e in events]
     if "load" not in kinds:
         return (
@@ -312,7 +342,12 @@ def check(
         )
     statuses = _statuses(events)
     if parse is not None:
-        lines = "\n".join(f"{s} {t}" for t, s in statuses.items() if s != "XPASS")
+        # As -rA prints them: a skip by its location (most parsers read no test id
+        # there), an unexpected pass as XPASS (no parser's status).
+        lines = "\n".join(
+            f"SKIPPED [1] {t}: skipped" if s == "SKIPPED" else f"{s} {t}"
+            for t, s in statuses.items()
+        )
         statuses = dict(parse(lines))
     for test in (*task.fail_to_pass, *task.pass_to_pass):
         logged, real = status_map.get(test), statuses.get(test)
