@@ -26,6 +26,8 @@ before its tests run, and the refusal names the file and why (docs/swebench.md,
 * modules that shadow the standard library or the test runner (``pytest``, ``_pytest``,
   ``pluggy``, ...) where they would be found first: the repository's root (first on
   ``sys.path`` under ``python -m``), ``src/`` and the test files' folders;
+* the test runner's own files, where the test command names them (Django's
+  ``./tests/runtests.py`` and its ``--settings`` module, Sympy's ``bin/test``);
 * the test folders themselves: files there that the test patch does not bring (helpers
   the tests import, ``__init__.py`` files that run at collection and change how pytest
   imports the tests), and an ``__init__.py`` added or removed on a test file's path;
@@ -176,6 +178,24 @@ def _ancestors(path: str) -> list[str]:
     return ["/".join(parts[:i]) for i in range(len(parts) + 1)]
 
 
+def _runner_files(task: SWEBenchTask) -> set[str]:
+    """Files of the repository that the test command names (``./tests/runtests.py``).
+
+    Django's ``--settings=test_sqlite`` names ``tests/test_sqlite.py``.
+    """
+    from branchgym.envs.swebench import harness
+
+    out = set()
+    for word in shlex.split(harness.test_cmd(task)):
+        if "=" in word and not word.startswith("-"):
+            continue  # VAR=value
+        if word.startswith("--settings="):
+            out.add(f"tests/{word.split('=', 1)[1].replace('.', '/')}.py")
+        elif "/" in word and not word.startswith(("-", "/")):
+            out.add(posixpath.normpath(word))
+    return out
+
+
 def static_problems(task: SWEBenchTask, patch: str, base_files: Iterable[str] = ()) -> list[str]:
     """What in ``patch`` alone takes a route into the test run: ``"path: why"`` each.
 
@@ -187,6 +207,7 @@ def static_problems(task: SWEBenchTask, patch: str, base_files: Iterable[str] = 
     """
     base = set(base_files)
     tests = set(diff_files(task.test_patch))
+    runner = _runner_files(task)
     test_dirs = _test_dirs(task) - {""}
     test_paths = {a for t in tests for a in _ancestors(t)} | tests
     roots = {"", "src"} | _test_dirs(task)
@@ -202,6 +223,8 @@ def static_problems(task: SWEBenchTask, patch: str, base_files: Iterable[str] = 
             refuse(path, "outside the work tree")
         elif mode == "120000":
             refuse(path, "a symbolic link (could lead outside the repository or over a test)")
+        elif path in runner:
+            refuse(path, "the test command runs it (the test runner itself)")
         elif name in CONFIG_FILES:
             continue  # compared section by section after the patch is applied
         elif name == "conftest.py":

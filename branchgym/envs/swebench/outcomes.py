@@ -252,8 +252,9 @@ def install(sandbox: Sandbox) -> Recorder:
     sandbox.write(report, b"", mode=0o666)
     source = PLUGIN_SOURCE.format(path=path, name=name, key=key)
     sandbox.write(f"{folder}/{name}.py", source.encode(), mode=0o644)
-    # The tests may run as another user than the one who wrote the files.
-    sandbox.exec(f"chmod 755 {folder} 2>/dev/null; true", cwd=sandbox.workdir, timeout=30)
+    # The tests may run as another user than the one who wrote the files, and the
+    # plugin removes its source (which holds the key) once imported.
+    sandbox.exec(f"chmod 777 {folder} 2>/dev/null; true", cwd=sandbox.workdir, timeout=30)
     return Recorder(name, folder, report, key)
 
 

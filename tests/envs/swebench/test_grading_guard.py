@@ -250,3 +250,14 @@ def test_early_exit_and_tampering_are_in_the_record(tmp_path):
     rec, log, record = _run(tmp_path)
     why = outcomes.check(record, _task(), _parse(log), _parse, key=rec.key)
     assert "_pytest.runner.call_and_report was replaced" in why
+
+
+def test_the_test_runner_named_by_the_command_is_refused():
+    django = SWEBenchTask(
+        "django__django-1", "django/django", "a" * 40, "", "",
+        "diff --git a/tests/admin_views/tests.py b/tests/admin_views/tests.py\n", (), (),
+    )  # fmt: skip
+    for path in ("tests/runtests.py", "tests/test_sqlite.py"):
+        patch = f"diff --git a/{path} b/{path}\n--- a/{path}\n+++ b/{path}\n"
+        problems = static_problems(django, patch, [path])
+        assert problems and "test runner" in problems[0], (path, problems)

@@ -25,6 +25,10 @@ from branchgym.envs.swebench.local import wait_for_cleanup
 pytestmark = pytest.mark.slow
 
 TASK = "r1chardj0n3s__parse-1"
+#: Gold patches graded on every backend besides TASK's: a root-level test file with 449
+#: tests, a test folder inside the package. (Every task's gold patch is graded with the
+#: defences on in test_realistic_tasks.py, on the local backend.)
+GOLD_SAMPLE = ["jpvanhal__inflection-1", "pytoolz__toolz-2"]
 
 #: A pytest plugin that reports every phase of every test as passed.
 FORCE_PASS = textwrap.dedent(
@@ -338,7 +342,7 @@ def env(request):
     e = gym.make(
         "branchgym/SWEBench-v0",
         tasks="realistic",
-        instance_ids=[TASK],
+        instance_ids=[TASK, *GOLD_SAMPLE],
         backend=request.param,
         grade_timeout=120,
     )
@@ -397,6 +401,14 @@ def test_gold_and_wrong_patch_on_each_backend(env, task):
     env.reset(options={"instance_id": TASK})
     gold = env.unwrapped.grade(task.patch)
     assert gold.resolved, gold.summary()
-    assert not gold.rejected
+    assert not gold.rejected and gold.outcome_check == "pytest reports"
     wrong = env.unwrapped.grade(task.extra["branchgym_wrong_patch"])
     assert not wrong.resolved and not wrong.rejected, wrong.summary()
+
+
+@pytest.mark.parametrize("instance_id", GOLD_SAMPLE)
+def test_gold_patch_resolves_with_the_defences_on(env, instance_id):
+    env.reset(options={"instance_id": instance_id})
+    report = env.unwrapped.grade(env.unwrapped.task.patch)
+    assert report.resolved and not report.rejected, report.summary()
+    assert report.outcome_check == "pytest reports"
