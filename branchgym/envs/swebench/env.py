@@ -33,8 +33,6 @@ from branchgym.digest import stable_hash
 from branchgym.envs.swebench.grading import (
     GradeReport,
     grade,
-    harness_files,
-    rejected_report,
     working_tree_patch,
 )
 from branchgym.envs.swebench.limits import Limits
@@ -219,10 +217,14 @@ class SWEBenchEnv(SnapshottableEnv[str, str]):
             interpreter; or a mapping of instance id or ``owner/name`` (``"*"`` for the
             rest) to the interpreter each repository's venv is made from (one that has
             its dependencies). See :mod:`branchgym.envs.swebench.repo_env`.
-        harness_guard: A submitted patch that adds or changes ``conftest.py``,
-            ``pytest.ini``, ``sitecustomize.py``, ``usercustomize.py`` or a ``.pth`` file
-            is graded "not resolved" (it could rewrite test outcomes). ``False`` grades
-            it as upstream SWE-bench does.
+        harness_guard: Grade from trusted configuration only (default): a patch that
+            changes how the tests run (pytest's configuration files, conftests, start-up
+            hooks, compiled code, package metadata, shadowing modules, test folders,
+            symlinks) is not resolved, and pytest tasks are resolved only where pytest's
+            own recorded reports confirm the log (:mod:`~branchgym.envs.swebench.guard`,
+            :mod:`~branchgym.envs.swebench.outcomes`); ``info["rejected"]`` says why.
+            ``False`` grades as upstream SWE-bench does, which such diffs game
+            (docs/swebench.md, "Reward hacks").
         render_mode: ``"ansi"`` returns the last observation from ``render()``.
     """
 
@@ -526,19 +528,15 @@ class SWEBenchEnv(SnapshottableEnv[str, str]):
             raise ResetNeededError("call env.reset() first")
         if patch is None:
             patch = self.patch()
-        if self.harness_guard and (touched := harness_files(patch)):
-            return rejected_report(
-                self.task,
-                f"the patch changes the test harness ({', '.join(touched[:3])}), which could "
-                "rewrite test outcomes (harness_guard=False grades it as upstream does)",
-            )
         checkout = self._checkout(self.task)
         # Grading starts from the pristine checkout: refuse it if anything changed it.
         if checkout is not None:
             verify_checkout(checkout)
         fresh = self.backend.create(self.task, checkout)
         try:
-            return grade(fresh, self.task, patch, timeout=self.grade_timeout)
+            return grade(
+                fresh, self.task, patch, timeout=self.grade_timeout, guard=self.harness_guard
+            )
         finally:
             fresh.close()
 
@@ -556,6 +554,7 @@ class SWEBenchEnv(SnapshottableEnv[str, str]):
         info = self._info(exit_code=0)
         info.update(
             resolved=report.resolved,
+            rejected=report.rejected,
             report=report.to_swebench()[report.instance_id],
             patch=patch,
         )

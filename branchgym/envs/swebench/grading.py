@@ -17,6 +17,11 @@ docs/swebench.md, "Grading"):
    ``FAIL_TO_PASS`` passed (PASSED or XFAIL), ``PASS_TO_PASS`` maintained (or SKIPPED);
    a log without both markers, or whose exit code contradicts it, is not resolved.
 4. A run past its timeout is not resolved (upstream never grades it).
+
+With ``guard=True`` (the env's ``harness_guard``, its default) a patch that changes how
+the tests run is refused after it applies (:mod:`~branchgym.envs.swebench.guard`), and
+a pytest log is trusted only where pytest's own reports, recorded by branchgym's plugin,
+confirm it (:mod:`~branchgym.envs.swebench.outcomes`); see docs/swebench.md, "Reward hacks".
 """
 
 from __future__ import annotations
@@ -160,8 +165,13 @@ class GradeReport:
         status_map: Every test the log mentions, with its status.
         apply_log: Output of the patch application.
         test_log: The eval script's whole output (upstream's ``test_output.txt``).
-        rejected: Why the patch was refused without running (``harness_guard``), if it was.
+        rejected: Why the patch is not resolved whatever the log says (``harness_guard``):
+            a file that changes how the tests run (refused before they run), or a log
+            that pytest's own reports contradict or that ended early.
         timed_out: The eval script ran past its timeout (upstream: not resolved).
+        outcome_check: How the log's outcomes were checked: ``"pytest reports"`` (branchgym's
+            recorder confirmed them), ``""`` (upstream grading, or not run), or why they
+            could not be (``"not checked: ..."``).
     """
 
     instance_id: str
@@ -175,6 +185,7 @@ class GradeReport:
     test_log: str = ""
     rejected: str = ""
     timed_out: bool = False
+    outcome_check: str = ""
 
     def to_swebench(self) -> dict[str, dict[str, Any]]:
         """The report in the shape of upstream's ``get_eval_report`` output."""
@@ -209,8 +220,9 @@ class GradeReport:
         return f"Not resolved ({counts}); failing: {', '.join(failing)}."
 
 
-#: File names a patch may not add or change under ``harness_guard``: pytest loads them
-#: (or Python runs them at start-up) before any test, so they can rewrite outcomes.
+#: File names that pytest loads (or Python runs at start-up) before any test. The
+#: harness guard checks far more (:mod:`~branchgym.envs.swebench.guard`); this list
+#: is the quick check of a patch's text alone.
 HARNESS_NAMES = ("conftest.py", "pytest.ini", "sitecustomize.py", "usercustomize.py")
 
 
@@ -334,16 +346,31 @@ def run_eval(
     return harness.grade_log(spec, log, timed_out=timed_out)[1], log
 
 
-def _run_spec(sandbox: Sandbox, spec: Any, timeout: float) -> tuple[str, bool]:
-    res = sandbox.exec(spec.eval_script, cwd=sandbox.workdir, timeout=timeout)
+def _run_spec(
+    sandbox: Sandbox, spec: Any, timeout: float, env: Mapping[str, str] | None = None
+) -> tuple[str, bool]:
+    res = sandbox.exec(spec.eval_script, cwd=sandbox.workdir, env=env, timeout=timeout)
     log = res.text
     if res.timed_out:  # what upstream's run_instance writes to test_output.txt
         log += "\n\n" + harness.TIMEOUT_NOTE.format(timeout=f"{timeout:g}")
     return log, res.timed_out
 
 
+def _base_env(sandbox: Sandbox) -> dict[str, str]:
+    """The environment ``sandbox`` gives commands by default (its image's or its runner's)."""
+    from branchgym.envs.swebench.sandbox import default_env
+
+    own = getattr(sandbox, "default_env", None)
+    return dict(own() if own is not None else default_env())
+
+
 def grade(
-    sandbox: Sandbox, task: SWEBenchTask, patch: str | None, *, timeout: float = 600.0
+    sandbox: Sandbox,
+    task: SWEBenchTask,
+    patch: str | None,
+    *,
+    timeout: float = 600.0,
+    guard: bool = False,
 ) -> GradeReport:
     """Grade ``patch`` for ``task`` in ``sandbox``, a fresh sandbox at the base commit.
 
@@ -352,7 +379,15 @@ def grade(
         task: The task (its test patch, test lists and repository's spec decide).
         patch: A unified diff (``None`` or blank = no patch).
         timeout: Seconds for the eval script (a run past it is not resolved).
+        guard: Grade from trusted configuration only: refuse a patch that changes how
+            the tests run (:func:`~branchgym.envs.swebench.guard.harness_problems`), and
+            for pytest tasks accept the log only where pytest's own reports, recorded
+            by branchgym's plugin, confirm it (:mod:`~branchgym.envs.swebench.outcomes`).
+            ``False`` grades as upstream SWE-bench does (gameable: docs/swebench.md).
     """
+    from branchgym.envs.swebench import guard as guard_mod
+    from branchgym.envs.swebench import outcomes
+
     empty = {FAIL_TO_PASS: {"success": [], "failure": list(task.fail_to_pass)},
              PASS_TO_PASS: {"success": [], "failure": list(task.pass_to_pass)}}  # fmt: skip
     if patch is None or not patch.strip():
@@ -363,7 +398,22 @@ def grade(
         return GradeReport(
             task.instance_id, True, False, False, ResolvedStatus.NO, empty, {}, apply_log
         )
-    log, timed_out = _run_spec(sandbox, spec, timeout)
+    env = None
+    recorder = None
+    check = ""
+    if guard:
+        problems = guard_mod.harness_problems(sandbox, task, patch)
+        if problems:
+            report = rejected_report(task, _refusal(problems))
+            report.patch_applied = True
+            report.apply_log = apply_log
+            return report
+        if outcomes.uses_pytest(task):
+            recorder = outcomes.install(sandbox)
+            env = recorder.environment(_base_env(sandbox), sandbox.workdir)
+        else:
+            check = f"not checked: {harness.log_parser_name(task)} reads a runner other than pytest"
+    log, timed_out = _run_spec(sandbox, spec, timeout, env)
     upstream, status_map = harness.grade_log(spec, log, patch=patch, timed_out=timed_out)
     tests_status = upstream.get("tests_status")
     if tests_status is None:  # not graded: no markers, an error marker, or a timeout
@@ -372,15 +422,52 @@ def grade(
     else:
         tests_status = {k: tests_status[k] for k in (FAIL_TO_PASS, PASS_TO_PASS)}
         status = resolution_status(tests_status)
+    resolved = bool(upstream["resolved"])
+    rejected = ""
+    if recorder is not None and not timed_out:
+        from branchgym.error import SandboxError
+
+        try:
+            record = sandbox.read(recorder.report).decode("utf-8", "replace")
+        except SandboxError as exc:
+            record = ""
+            rejected = f"the trusted outcome record is gone ({exc}): the test run removed it"
+        if not rejected:
+            rejected = outcomes.check(
+                record, task, status_map, _parser(task, spec), key=recorder.key
+            )
+        check = "pytest reports" if not rejected else "pytest reports disagree"
+        if rejected:
+            resolved = False
+            status = ResolvedStatus.NO
     return GradeReport(
         task.instance_id,
         True,
         True,
-        bool(upstream["resolved"]),
+        resolved,
         status,
         tests_status,
         status_map,
         apply_log,
         log,
+        rejected=rejected,
         timed_out=timed_out,
+        outcome_check=check,
     )
+
+
+def _refusal(problems: list[str]) -> str:
+    shown = "; ".join(problems[:4])
+    more = f" (and {len(problems) - 4} more)" if len(problems) > 4 else ""
+    return (
+        f"the patch changes how the tests run: {shown}{more}. Grading reads only the base "
+        "commit's test configuration (harness_guard=False grades it as upstream does)"
+    )
+
+
+def _parser(task: SWEBenchTask, spec: Any) -> Any:
+    """The repository's log parser as ``log -> status map``."""
+    from swebench.harness.log_parsers import PARSER_REGISTRY
+
+    func = PARSER_REGISTRY[harness.log_parser_name(task)]
+    return lambda log: func(log, spec)

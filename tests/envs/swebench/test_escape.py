@@ -173,7 +173,8 @@ def test_planted_conftest_in_the_diff_is_refused(fresh):
     fresh.unwrapped.sandbox.write("conftest.py", FORCE_PASS.encode())
     obs, reward, terminated, _, info = fresh.step("submit")
     assert terminated and reward == 0.0, obs
-    assert "test harness (conftest.py)" in obs
+    assert "conftest.py: a conftest.py runs before any test" in obs
+    assert info["rejected"] in obs
     # Without the guard it is graded as upstream grades it: the hack would win.
     report = fresh.unwrapped.__class__.grade
     fresh.unwrapped.harness_guard = False

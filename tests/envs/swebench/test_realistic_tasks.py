@@ -193,6 +193,7 @@ def test_missing_dependency_is_a_typed_error_naming_the_fix(tmp_path):
 
 @pytest.mark.slow
 def test_gold_patch_resolves_every_task_and_wrong_patch_none(real_tasks, real_checkout):
+    """With the defences on (trusted configuration, pytest's recorded outcomes)."""
     backend = LocalBackend()
     for task in real_tasks:  # environments first (once per repository and version)
         backend.runner_for(task, real_checkout(task))
@@ -201,9 +202,11 @@ def test_gold_patch_resolves_every_task_and_wrong_patch_none(real_tasks, real_ch
         patch = task.patch if which == "gold" else task.extra["branchgym_wrong_patch"]
         sb = backend.create(task, real_checkout(task))
         try:
-            report = grade(sb, task, patch, timeout=300)
+            report = grade(sb, task, patch, timeout=300, guard=True)
         finally:
             sb.close()
+        assert not report.rejected, (task.instance_id, which, report.rejected)
+        assert report.outcome_check == "pytest reports", (task.instance_id, report.outcome_check)
         return task.instance_id, which, report.resolved
 
     jobs = [(t, w) for t in real_tasks for w in ("gold", "wrong")]
