@@ -52,6 +52,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+
 from branchgym.agents.checkpoints import (
     CHECKPOINT_VERSION,
     check_finite,
@@ -108,7 +109,6 @@ from branchgym.agents.rows import (
     row_weight,
     token_weight,
 )
-
 from branchgym.batch_rollout import run_batched
 from branchgym.error import CheckpointError, DependencyMissingError, TrainingConfigError
 from branchgym.executors import EnvRecipe, make_executor

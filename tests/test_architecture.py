@@ -137,9 +137,8 @@ def test_no_private_names_cross_module_boundaries():
 
 
 def test_former_private_names_still_resolve():
-    from branchgym.agents import run as training
-
     from branchgym import checker, core
+    from branchgym.agents import run as training
 
     assert core._walk_wrappers is core.walk_wrappers
     assert core._capture is core.capture_wrapper_state

@@ -7,9 +7,9 @@ import time
 import cloudpickle
 import gymnasium as gym
 import pytest
-from branchgym.agents.policy import TextPolicy
 
 import branchgym
+from branchgym.agents.policy import TextPolicy
 from branchgym.envs.toy.text_tree_mdp import TextTreeMDP
 from branchgym.error import ExecutorError
 from branchgym.executors import (

@@ -15,9 +15,9 @@ import time
 import cloudpickle
 import gymnasium as gym
 import pytest
-from branchgym.agents.policy import TextPolicy
 
 import branchgym
+from branchgym.agents.policy import TextPolicy
 from branchgym.envs.toy.text_tree_mdp import TextTreeMDP
 from branchgym.executors import EnvSpec, InProcessExecutor, ProcessExecutor, ThreadExecutor
 from branchgym.rollout import grow_tree

@@ -3,9 +3,9 @@
 import gymnasium as gym
 import numpy as np
 import pytest
-from branchgym.agents.policy import ScriptedPolicy, TabularPolicy, TextPolicy
 
 import branchgym
+from branchgym.agents.policy import ScriptedPolicy, TabularPolicy, TextPolicy
 from branchgym.executors import EnvSpec, InProcessExecutor
 from branchgym.rollout import group_rollouts, grow_tree
 from branchgym.schedules import ForkPoint

@@ -38,7 +38,6 @@ from branchgym.agents.run import (  # noqa: E402
 )
 from branchgym.agents.scoring import ScoringPolicy, trie_logprobs  # noqa: E402
 from branchgym.agents.train import LEARNERS, make_args, train  # noqa: E402
-
 from branchgym.cli import main as cli_main  # noqa: E402
 from branchgym.error import (  # noqa: E402
     CheckpointError,

@@ -9,9 +9,9 @@ import time
 import cloudpickle
 import gymnasium as gym
 import pytest
-from branchgym.agents.policy import TextPolicy
 
 import branchgym
+from branchgym.agents.policy import TextPolicy
 from branchgym.envs.swebench.local import list_local_mounts, wait_for_cleanup, work_root
 from branchgym.error import SandboxError
 from branchgym.executors import EnvSpec, InProcessExecutor, ProcessExecutor, ThreadExecutor
