@@ -67,6 +67,7 @@ __all__ = [
     "wrapper_state_handler",
     "walk_wrappers",
     "capture_wrapper_state",
+    "declares_rng_excluded",
     "live_snapshots",
     "LiveSnapshots",
     "SNAPSHOT_KINDS",
@@ -844,6 +845,22 @@ def walk_wrappers(env: gym.Env) -> list[gym.Wrapper]:
         out.append(e)
         e = e.env
     return out
+
+
+def declares_rng_excluded(env: gym.Env) -> bool:
+    """True when a layer of the stack declares ``snapshot_includes_rng = False``.
+
+    Such envs (ALE's ``cloneState`` semantics) restore the state but not the random
+    stream, so continuations agree in distribution only; exact comparisons of steps
+    after a restore do not apply to them.
+    """
+    e: Any = env
+    while True:
+        if getattr(e, "snapshot_includes_rng", True) is False:
+            return True
+        if not isinstance(e, gym.Wrapper):
+            return False
+        e = e.env
 
 
 def capture_wrapper_state(wrapper: gym.Wrapper) -> dict[str, Any]:

@@ -53,6 +53,7 @@ import gymnasium as gym
 import numpy as np
 
 from branchgym.checker import as_factory, rollout_actions
+from branchgym.core import declares_rng_excluded
 from branchgym.distributional import DistributionResult, distribution_phase
 from branchgym.error import FidelitySetupError
 from branchgym.fidelity_report import FidelityReport
@@ -68,7 +69,7 @@ from branchgym.state_machine import (
     replay_program,
     shrink_program,
 )
-from branchgym.wrappers.fidelity import Violation, declares_rng_excluded
+from branchgym.violation import Violation
 
 __all__ = [
     "FidelityReport",

@@ -65,22 +65,108 @@ def test_module_names_map_the_source_folders():
     assert module_name(ROOT / "branchgym" / "bench" / "__init__.py") == "branchgym.bench"
 
 
-def test_engine_imports_nothing_from_agents():
-    """The core package (all of branchgym/ but bench/ and the CLI) never imports agents/.
+#: The engine: every module of ``branchgym/`` except the package's front door
+#: (``__init__.py``, which registers the built-in envs by entry-point strings; the engine
+#: may ``import branchgym`` to make an env by id), the CLI, ``bench/`` and ``envs/``.
+ENGINE_EXCLUDED = {"branchgym/__init__.py", "branchgym/cli.py"}
+ENGINE_EXCLUDED_FOLDERS = {"bench", "envs"}
 
-    Policies, losses and learners build on the engine; the engine only knows the policy
-    protocol in :mod:`branchgym.policy`.
-    """
-    offenders = []
+#: What builds on the engine; the engine imports none of it. Each is named both as
+#: installed (``branchgym.wrappers``) and as its source folder (``wrappers``), which a
+#: checkout's root makes importable too.
+ABOVE_ENGINE = {
+    "branchgym.agents": "agents",
+    "branchgym.wrappers": "wrappers",
+    "branchgym.scenarios": "scenarios",
+    "branchgym.bench": None,
+    "branchgym.envs": None,
+}
+
+#: Known upward arrows, each with the change that removes it. The test fails when one is
+#: gone, so the list only shrinks.
+KNOWN_UPWARD = {
+    # The exact-gradient study's tree arrays are built from the toy env's TreeStructure;
+    # moving the study next to its env (or the structure into the engine) removes it.
+    ("branchgym/estimators.py", "branchgym.envs.toy.tree_mdp"),
+}
+
+
+def engine_files():
     for path in source_files("branchgym"):
         rel = path.relative_to(ROOT)
-        if rel.parts[1] == "bench" or rel == pathlib.Path("branchgym/cli.py"):
+        if rel.as_posix() in ENGINE_EXCLUDED or rel.parts[1] in ENGINE_EXCLUDED_FOLDERS:
             continue
+        yield path
+
+
+def upward_imports(files, above):
+    """``(file, line, module)`` for every import of ``files`` that reaches into ``above``."""
+    for path in files:
+        rel = path.relative_to(ROOT).as_posix()
         for line, module, names in imports(path):
             targets = [module] + [f"{module}.{name}" for name in names]
-            if any(is_under(t, "branchgym.agents") or is_under(t, "agents") for t in targets):
-                offenders.append(f"{rel}:{line}: {module}")
-    assert not offenders, "engine modules import agents/:\n" + "\n".join(offenders)
+            for package, folder in above.items():
+                roots = [package] + ([folder] if folder else [])
+                if any(is_under(t, root) for t in targets for root in roots):
+                    yield rel, line, module
+                    break
+
+
+def test_engine_files_are_the_core_modules():
+    rels = {p.relative_to(ROOT).as_posix() for p in engine_files()}
+    assert {"branchgym/core.py", "branchgym/testing.py", "branchgym/violation.py"} <= rels
+    assert not {r for r in rels if r.startswith(("branchgym/bench/", "branchgym/envs/"))}
+    assert not rels & ENGINE_EXCLUDED
+
+
+def test_upward_import_check_sees_every_spelling(tmp_path, monkeypatch):
+    """Absolute, relative, ``from branchgym import wrappers`` and the bare folder name."""
+    pkg = tmp_path / "branchgym"
+    pkg.mkdir()
+    spellings = {
+        "a.py": "from branchgym.wrappers.fidelity import FidelityCheck\n",
+        "b.py": "from .envs import toy\n",
+        "c.py": "from branchgym import bench\n",
+        "d.py": "def f():\n    import wrappers.fidelity\n",
+        "e.py": "from branchgym import core, error\n",
+    }
+    for name, text in spellings.items():
+        (pkg / name).write_text(text)
+    monkeypatch.setitem(globals(), "ROOT", tmp_path)  # module_name() reads ROOT
+    found = {rel for rel, _, _ in upward_imports(sorted(pkg.glob("*.py")), ABOVE_ENGINE)}
+    assert found == {"branchgym/a.py", "branchgym/b.py", "branchgym/c.py", "branchgym/d.py"}
+
+
+def test_engine_imports_nothing_above_it():
+    """The engine never imports agents/, wrappers/, scenarios/, bench/ or envs/.
+
+    Policies, losses, learners, wrappers, envs and studies build on the engine; the engine
+    only knows the policy protocol (:mod:`branchgym.policy`), the snapshot protocol
+    (:mod:`branchgym.core`) and the fidelity record (:mod:`branchgym.violation`).
+    """
+    found = {
+        (rel, module): line for rel, line, module in upward_imports(engine_files(), ABOVE_ENGINE)
+    }
+    offenders = [
+        f"{rel}:{line}: {module}"
+        for (rel, module), line in found.items()
+        if (rel, module) not in KNOWN_UPWARD
+    ]
+    assert not offenders, "engine modules import what builds on them:\n" + "\n".join(offenders)
+    stale = KNOWN_UPWARD - set(found)
+    assert not stale, f"known upward imports are gone, drop them from KNOWN_UPWARD: {stale}"
+
+
+def test_wrappers_import_neither_envs_nor_what_builds_on_them():
+    """Wrappers work on any Gymnasium env: they import the engine only."""
+    above = {k: v for k, v in ABOVE_ENGINE.items() if k != "branchgym.wrappers"}
+    offenders = [
+        f"{rel}:{line}: {module}"
+        for rel, line, module in upward_imports(source_files("wrappers"), above)
+    ]
+    assert not offenders, "wrappers import envs, scenarios, bench or agents:\n" + "\n".join(
+        offenders
+    )
 
 
 #: Old homes of moved bench modules: each only forwards, lazily and with a warning.
