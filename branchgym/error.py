@@ -20,6 +20,7 @@ __all__ = [
     "SnapshotUntrustedError",
     "SnapshotNotPicklableError",
     "UnsnapshottableWrapperError",
+    "WrapperStateError",
     "ResetNeededError",
     "InvalidActionError",
     "DataError",
@@ -88,6 +89,14 @@ class SnapshotNotPicklableError(SnapshotError, TypeError):
 
 class UnsnapshottableWrapperError(SnapshotError):
     """A wrapper in the stack holds state branchgym does not know how to capture."""
+
+
+class WrapperStateError(UnsnapshottableWrapperError):
+    """A wrapper lacks an attribute its declared state names.
+
+    The built-in table names private attributes of the Gymnasium wrappers of the versions
+    pyproject allows; another version may have renamed them.
+    """
 
 
 class ResetNeededError(Error, RuntimeError):
