@@ -1058,8 +1058,3 @@ class SnapshotAPI(gym.Wrapper[ObsType, ActType, ObsType, ActType], gym.utils.Rec
 
 _register_gymnasium_wrappers()
 declare_stateless(SnapshotAPI)
-
-# Former private names, kept for code that imported them before they were made public.
-_handler = wrapper_state_handler
-_walk_wrappers = walk_wrappers
-_capture = capture_wrapper_state

@@ -59,7 +59,7 @@ from branchgym.policy import ActionSample, ActRequest, Context, Policy, Turn
 from branchgym.schedules import ForkPoint, get_schedule
 from branchgym.tree import ROOT, Node, RolloutTree
 
-__all__ = ["grow_tree", "grow_trees", "group_rollouts", "spec_of", "KEEP_MODES"]
+__all__ = ["grow_tree", "group_rollouts", "spec_of", "KEEP_MODES"]
 
 #: How states at candidate branch points are kept until the schedule picks.
 KEEP_MODES = ("snapshot", "replay")
@@ -685,22 +685,6 @@ def _run_siblings(
         remaining[f.step] -= 1
         if remaining[f.step] == 0:
             eng.release(refs[f.step])
-
-
-def grow_trees(
-    env: gym.Env | EnvRecipe | str,
-    policy: Policy,
-    seeds: Sequence[int],
-    schedule: str | Callable[..., list[ForkPoint]] = "entropy",
-    *,
-    progress: bool = True,
-    **kwargs: Any,
-) -> list[RolloutTree]:
-    """:func:`grow_tree` for each seed (a batch of prompts), with a progress bar."""
-    return [
-        grow_tree(env, policy, schedule, seed=s, **kwargs)
-        for s in tqdm(seeds, desc="trees", disable=not progress, leave=False)
-    ]
 
 
 def group_rollouts(

@@ -7,8 +7,6 @@ function counts the same as one at the top of a module.
 import ast
 import pathlib
 
-import pytest
-
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 #: Source folders and the package each is installed as (see pyproject's package-dir).
 PACKAGES = {
@@ -169,37 +167,17 @@ def test_wrappers_import_neither_envs_nor_what_builds_on_them():
     )
 
 
-#: Old homes of moved bench modules: each only forwards, lazily and with a warning.
-DEPRECATED_BENCH_ALIASES = {"branchgym/envs/webshop/bench.py", "branchgym/envs/alfworld/bench.py"}
-
-
 def test_env_packages_import_nothing_from_bench():
     """Benchmarks import envs, never the reverse (env CLIs aside, like the top-level CLI)."""
     offenders = []
     for path in source_files("branchgym/envs"):
         rel = path.relative_to(ROOT)
-        if rel.as_posix() in DEPRECATED_BENCH_ALIASES or rel.name == "cli.py":
+        if rel.name == "cli.py":
             continue
         for line, module, _ in imports(path):
             if is_under(module, "branchgym.bench"):
                 offenders.append(f"{rel}:{line}: {module}")
     assert not offenders, "env modules import the bench package:\n" + "\n".join(offenders)
-
-
-def test_moved_bench_modules_still_import_from_their_old_home():
-    import importlib
-
-    import pytest
-
-    from branchgym.bench import alfworld, webshop
-
-    for env, moved, name in [
-        ("webshop", webshop, "section_webshop"),
-        ("alfworld", alfworld, "section_alfworld"),
-    ]:
-        old = importlib.import_module(f"branchgym.envs.{env}.bench")
-        with pytest.warns(DeprecationWarning, match=f"branchgym.bench.{env}"):
-            assert getattr(old, name) is getattr(moved, name)
 
 
 def test_no_private_names_cross_module_boundaries():
@@ -222,25 +200,30 @@ def test_no_private_names_cross_module_boundaries():
     assert not offenders, "private names imported across modules:\n" + "\n".join(offenders)
 
 
-def test_former_private_names_still_resolve():
-    from branchgym import checker, core
-    from branchgym.agents import run as training
+def test_no_module_keeps_an_alias_of_its_own_names():
+    """``Old = New`` for a function or class of the same module: a former name.
 
-    assert core._walk_wrappers is core.walk_wrappers
-    assert core._capture is core.capture_wrapper_state
-    assert core._handler is core.wrapper_state_handler
-    assert checker._strip is checker.strip_volatile
-    assert checker._as_factory is checker.as_factory
-    assert training._require is training.require
-    assert training._choice is training.require_one_of
-
-
-def test_renamed_classes_keep_their_former_names():
-    from branchgym import executors
-    from branchgym.bench import runs
-
-    assert executors.EnvSpec is executors.EnvRecipe  # not Gymnasium's EnvSpec
-    assert runs.Run is runs.SeedResult  # not agents.training.Run
+    There has been no release, so a renamed or moved name updates its callers instead.
+    """
+    offenders = []
+    for path in source_files(*PACKAGES):
+        tree = ast.parse(path.read_text())
+        defined = {
+            n.name
+            for n in tree.body
+            if isinstance(n, ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef)
+        }
+        for node in tree.body:
+            if (
+                isinstance(node, ast.Assign)
+                and isinstance(node.value, ast.Name)
+                and node.value.id in defined
+            ):
+                names = ", ".join(ast.unparse(t) for t in node.targets)
+                offenders.append(
+                    f"{path.relative_to(ROOT)}:{node.lineno}: {names} = {node.value.id}"
+                )
+    assert not offenders, "aliases of former names:\n" + "\n".join(offenders)
 
 
 def test_long_modules_say_why_at_the_top():
@@ -276,13 +259,3 @@ def test_the_source_papers_figures_live_in_one_module():
                 if not isinstance(node.value, bool) and float(node.value) in figures:
                     offenders.append(f"{path.relative_to(ROOT)}:{node.lineno}: {node.value}")
     assert not offenders, "source figures written as literals:\n" + "\n".join(offenders)
-
-
-def test_moved_bench_modules_forward_and_warn():
-    import importlib
-
-    from branchgym.bench import webshop
-
-    old = importlib.import_module("branchgym.envs.webshop.bench")
-    with pytest.warns(DeprecationWarning, match="moved to branchgym.bench.webshop"):
-        assert old.SOURCE_MS == webshop.SOURCE_MS

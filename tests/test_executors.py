@@ -13,7 +13,7 @@ from branchgym.agents.policy import TextPolicy
 from branchgym.envs.toy.text_tree_mdp import TextTreeMDP
 from branchgym.error import ExecutorError
 from branchgym.executors import (
-    EnvSpec,
+    EnvRecipe,
     InProcessExecutor,
     ProcessExecutor,
     ThreadExecutor,
@@ -25,7 +25,7 @@ from branchgym.rollout import group_rollouts, grow_tree
 cloudpickle.register_pickle_by_value(sys.modules[__name__])
 
 STEPS = {"gap_unit": "steps"}
-TEXT = EnvSpec("branchgym/TextTreeMDP-v0")
+TEXT = EnvRecipe("branchgym/TextTreeMDP-v0")
 
 
 class Crashy(TextTreeMDP):
@@ -58,7 +58,7 @@ def crashy(mode):
         env = gym.wrappers.TimeLimit(Crashy(mode=mode), 20)
         return branchgym.core.SnapshotAPI(env)
 
-    return EnvSpec(f"crashy-{mode}", factory=make)
+    return EnvRecipe(f"crashy-{mode}", factory=make)
 
 
 def grow(spec, executor, **kw):
@@ -182,7 +182,7 @@ class Pinned(TextTreeMDP):
 
 
 def test_unpicklable_snapshots_stay_on_their_worker():
-    spec = EnvSpec("pinned", factory=lambda: branchgym.core.SnapshotAPI(Pinned()))
+    spec = EnvRecipe("pinned", factory=lambda: branchgym.core.SnapshotAPI(Pinned()))
     with ProcessExecutor(n_workers=2) as ex:
         tree = grow(spec, ex)
         assert tree.stats.rollouts == 7 and tree.stats.errors == 0

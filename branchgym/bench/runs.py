@@ -22,7 +22,6 @@ __all__ = [
     "CI_MAZE",
     "STUDY_MAZE",
     "SeedResult",
-    "Run",
     "mean_curve",
     "mean_se",
     "reach_step",
@@ -81,10 +80,6 @@ class SeedResult:
     def metric(self, key: str) -> list[float]:
         """Every logged value of ``key`` (training steps only)."""
         return [float(h[key]) for h in self.history if key in h]
-
-
-#: Former name (``agents.training.Run`` is the training run; this is its reduced result).
-Run = SeedResult
 
 
 def run_learner(
