@@ -26,14 +26,10 @@ def module_name(path: pathlib.Path) -> str:
 
 
 def source_files(*folders: str):
+    """Our modules: shipped data (upstream repositories, task sources) lives in data/."""
     for folder in folders:
         for path in sorted((ROOT / folder).rglob("*.py")):
-            # generated_repos and realistic_repos hold the SWE-bench task repositories:
-            # data, not our modules
-            if "__pycache__" not in path.parts and not {
-                "generated_repos",
-                "realistic_repos",
-            } & set(path.parts):
+            if "__pycache__" not in path.parts:
                 yield path
 
 
