@@ -25,6 +25,7 @@ from collections.abc import Callable
 
 import numpy as np
 import torch
+
 from branchgym.agents import losses
 from branchgym.agents.run import (
     Batch,
@@ -37,7 +38,6 @@ from branchgym.agents.run import (
     require,
     rollout_metrics,
 )
-
 from branchgym.rollout import group_rollouts
 
 __all__ = ["Args", "loss", "main"]

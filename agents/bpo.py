@@ -30,6 +30,7 @@ from collections.abc import Sequence
 
 import numpy as np
 import torch
+
 from branchgym.agents import losses
 from branchgym.agents.run import (
     WEIGHTS,
@@ -43,7 +44,6 @@ from branchgym.agents.run import (
     require_one_of,
     rollout_metrics,
 )
-
 from branchgym.rollout import KEEP_MODES, group_rollouts, grow_tree
 from branchgym.schedules import ForkPoint
 from branchgym.tree import ENTROPY_REDUCTIONS, RolloutTree

@@ -39,6 +39,7 @@ from typing import Any
 
 import numpy as np
 import torch
+
 from branchgym.agents import losses, pbr
 from branchgym.agents.run import (
     Batch,
@@ -54,7 +55,6 @@ from branchgym.agents.run import (
     require_one_of,
     rollout_metrics,
 )
-
 from branchgym.error import TrainingConfigError
 from branchgym.rollout import KEEP_MODES, group_rollouts, grow_tree
 from branchgym.tree import RolloutTree

@@ -34,8 +34,8 @@ from typing import Any
 from unittest import mock
 
 import numpy as np
-from branchgym.agents.run import Batch, Chunk, Run, TrainResult, token_weight
 
+from branchgym.agents.run import Batch, Chunk, Run, TrainResult, token_weight
 from branchgym.error import TrainingConfigError
 
 try:

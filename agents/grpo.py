@@ -23,6 +23,7 @@ from collections.abc import Sequence
 
 import numpy as np
 import torch
+
 from branchgym.agents import losses
 from branchgym.agents.run import (
     WEIGHTS,
@@ -37,7 +38,6 @@ from branchgym.agents.run import (
     require_one_of,
     rollout_metrics,
 )
-
 from branchgym.rollout import group_rollouts
 from branchgym.tree import RolloutTree
 

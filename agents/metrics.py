@@ -10,8 +10,8 @@ import dataclasses
 from collections.abc import Sequence
 
 import numpy as np
-from branchgym.agents.rows import Batch, Chunk
 
+from branchgym.agents.rows import Batch, Chunk
 from branchgym.error import DependencyMissingError
 
 try:

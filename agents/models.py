@@ -67,7 +67,6 @@ def cache_dir() -> Path:
 def _corpus() -> list[str]:
     """Training text for the tiny tokenizer: the prompts and observations of the envs."""
     from branchgym.agents.prompts import PROMPTS
-
     from branchgym.envs.toy.text_tree_mdp import action_names_for
 
     lines: list[str] = []

@@ -25,7 +25,6 @@ from typing import Any
 from branchgym.agents.lr_schedules import LR_SCHEDULES
 from branchgym.agents.policy_kinds import POLICIES
 from branchgym.agents.sinks import LOG_SINKS
-
 from branchgym.error import TrainingConfigError
 
 __all__ = ["TrainArgs", "args_from_dict", "field_docs", "require", "require_one_of"]

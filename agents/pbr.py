@@ -27,7 +27,6 @@ from collections.abc import Callable, Iterable, Sequence
 from typing import Any, Protocol, runtime_checkable
 
 from branchgym.agents.losses import ProtocolConstraint
-
 from branchgym.error import LossInputError
 
 __all__ = [

@@ -20,7 +20,6 @@ from branchgym.agents import forward
 from branchgym.agents.forward import Pack
 from branchgym.agents.policy import LLMPolicy
 from branchgym.agents.rows import Decision, Row
-
 from branchgym.error import DependencyMissingError, TrainingConfigError
 
 if TYPE_CHECKING:

@@ -18,8 +18,8 @@ from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import numpy as np
-from branchgym.agents.evaluation import success_of
 
+from branchgym.agents.evaluation import success_of
 from branchgym.error import DependencyMissingError
 from branchgym.policy import Context, Turn
 from branchgym.tree import RolloutTree

@@ -22,8 +22,7 @@ The data path it drives lives in modules of one concern each, in the order data 
 * :mod:`~branchgym.agents.plots`: :func:`plot_curves`.
 
 Every public name of those modules that learners use is re-exported here, so
-learner files need one import: ``from branchgym.agents.run import Batch, Run, TrainArgs, ...``
-(``branchgym.agents.training``, the former name, forwards here for one release).
+learner files need one import: ``from branchgym.agents.run import Batch, Run, TrainArgs, ...``.
 The math is not here: losses and advantages come from :mod:`branchgym.agents.losses`.
 
 The module is over 600 lines because :class:`Run` is one object by design (set-up,
@@ -52,6 +51,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+
 from branchgym.agents.checkpoints import (
     CHECKPOINT_VERSION,
     check_finite,
@@ -109,7 +109,6 @@ from branchgym.agents.rows import (
     token_weight,
 )
 from branchgym.agents.sinks import Sinks, open_sinks
-
 from branchgym.batch_rollout import run_batched
 from branchgym.error import CheckpointError, DependencyMissingError, TrainingConfigError
 from branchgym.executors import EnvRecipe, make_executor
@@ -158,16 +157,6 @@ __all__ = [
     "success_of",
     "token_weight",
 ]
-
-# Former private names, kept for code that imported them before they were made public.
-_require = require
-_choice = require_one_of
-_packed_forward = packed_forward
-_bucketed_forward = bucketed_forward
-_optimizer_tensors = optimizer_tensors
-_optimizer_state = optimizer_state
-_json_default = json_default
-
 
 @dataclasses.dataclass
 class TrainResult:

@@ -34,8 +34,8 @@ from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
-from branchgym.agents.policy import LLMPolicy, sequence_distribution
 
+from branchgym.agents.policy import LLMPolicy, sequence_distribution
 from branchgym.error import DependencyMissingError, TrainingConfigError
 from branchgym.policy import ActionSample, ActRequest, Context, admissible_actions, sample_rng
 

@@ -27,6 +27,8 @@ from typing import Any
 
 import numpy as np
 import torch
+from tqdm import tqdm
+
 from branchgym.agents import losses
 from branchgym.agents.run import (
     Batch,
@@ -38,8 +40,6 @@ from branchgym.agents.run import (
     require_one_of,
     success_of,
 )
-from tqdm import tqdm
-
 from branchgym.error import TrainingConfigError
 from branchgym.policy import admissible_actions
 from branchgym.tree import RolloutTree

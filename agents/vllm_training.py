@@ -98,8 +98,9 @@ def worker_model_folder(model: Any, tokenizer: Any) -> tuple[str, bool]:
     model, a checkpoint, whose optimizer state vLLM would take for weights, LoRA adapters
     merged): config, tokenizer and the weights.
     """
-    from branchgym.agents.engines.vllm_worker import is_weights_file, state_dict_for_vllm
     from safetensors.torch import save_file
+
+    from branchgym.agents.engines.vllm_worker import is_weights_file, state_dict_for_vllm
 
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
     src = Path(str(getattr(base, "name_or_path", "") or ""))

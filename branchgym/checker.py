@@ -433,7 +433,3 @@ def as_factory(env: gym.Env | EnvFactory | str) -> tuple[str, EnvFactory]:
     raise TypeError(f"check_env takes an env id, a factory or an env; got {type(env).__name__}")
 
 
-# Former private names, kept for code that imported them before they were made public.
-_strip = strip_volatile
-_as_factory = as_factory
-_rollout_actions = rollout_actions

@@ -46,6 +46,7 @@ from branchgym.error import (
     SnapshotReleasedError,
     SnapshotUntrustedError,
     UnsnapshottableWrapperError,
+    WrapperStateError,
 )
 from branchgym.sizes import owned_sizeof
 
@@ -67,6 +68,8 @@ __all__ = [
     "wrapper_state_handler",
     "walk_wrappers",
     "capture_wrapper_state",
+    "read_wrapper_state",
+    "declares_rng_excluded",
     "live_snapshots",
     "LiveSnapshots",
     "SNAPSHOT_KINDS",
@@ -846,9 +849,56 @@ def walk_wrappers(env: gym.Env) -> list[gym.Wrapper]:
     return out
 
 
+def declares_rng_excluded(env: gym.Env) -> bool:
+    """True when a layer of the stack declares ``snapshot_includes_rng = False``.
+
+    Such envs (ALE's ``cloneState`` semantics) restore the state but not the random
+    stream, so continuations agree in distribution only; exact comparisons of steps
+    after a restore do not apply to them.
+    """
+    e: Any = env
+    while True:
+        if getattr(e, "snapshot_includes_rng", True) is False:
+            return True
+        if not isinstance(e, gym.Wrapper):
+            return False
+        e = e.env
+
+
+def read_wrapper_state(wrapper: gym.Wrapper, *, digest: bool = False) -> dict[str, Any]:
+    """The declared state attributes of one wrapper, by name (the live values, not copies).
+
+    Args:
+        wrapper: One layer of a stack.
+        digest: Leave out the attributes declared volatile (what ``state_digest`` hashes).
+
+    Raises:
+        UnsnapshottableWrapperError: the wrapper's class declared nothing.
+        WrapperStateError: the wrapper lacks a declared attribute (for Gymnasium's own
+            wrappers: a Gymnasium version whose private names differ from the table's).
+    """
+    h = wrapper_state_handler(wrapper)
+    out = {}
+    for name in h.attrs:
+        if digest and name in h.volatile:
+            continue
+        try:
+            out[name] = getattr(wrapper, name)
+        except AttributeError:
+            cls = type(wrapper)
+            raise WrapperStateError(
+                f"wrapper {_path(cls)} has no attribute {name!r}, which branchgym's state "
+                f"declaration for it names (declared: {', '.join(h.attrs)}; gymnasium "
+                f"{gym.__version__}). Use a gymnasium version pyproject allows, or declare "
+                f"this version's state: branchgym.register_wrapper_state({cls.__qualname__}, "
+                "attrs=(...)), or branchgym.declare_stateless(...) if it holds none."
+            ) from None
+    return out
+
+
 def capture_wrapper_state(wrapper: gym.Wrapper) -> dict[str, Any]:
     """Deep copies of the declared state attributes of one wrapper, by name."""
-    return {a: copy.deepcopy(getattr(wrapper, a)) for a in wrapper_state_handler(wrapper).attrs}
+    return copy.deepcopy(read_wrapper_state(wrapper))
 
 
 def restore(env: gym.Env, snap: Snapshot) -> tuple[Any, dict[str, Any]]:
@@ -896,8 +946,7 @@ def state_digest(env: gym.Env) -> str:
     wrappers, owner = _walk(env)
     parts = []
     for w in wrappers:
-        h = wrapper_state_handler(w)
-        parts.append((_path(type(w)), {a: getattr(w, a) for a in h.attrs if a not in h.volatile}))
+        parts.append((_path(type(w)), read_wrapper_state(w, digest=True)))
     return stable_hash(parts, owner.state_digest())
 
 
@@ -1009,8 +1058,3 @@ class SnapshotAPI(gym.Wrapper[ObsType, ActType, ObsType, ActType], gym.utils.Rec
 
 _register_gymnasium_wrappers()
 declare_stateless(SnapshotAPI)
-
-# Former private names, kept for code that imported them before they were made public.
-_handler = wrapper_state_handler
-_walk_wrappers = walk_wrappers
-_capture = capture_wrapper_state

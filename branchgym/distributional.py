@@ -33,7 +33,7 @@ from branchgym.state_machine import (
     digest_or_none,
     literal,
 )
-from branchgym.wrappers.fidelity import Violation
+from branchgym.violation import Violation
 
 __all__ = [
     "DistributionResult",

@@ -20,6 +20,7 @@ __all__ = [
     "SnapshotUntrustedError",
     "SnapshotNotPicklableError",
     "UnsnapshottableWrapperError",
+    "WrapperStateError",
     "ResetNeededError",
     "InvalidActionError",
     "DataError",
@@ -95,6 +96,14 @@ class UnsnapshottableWrapperError(SnapshotError):
     """A wrapper in the stack holds state branchgym does not know how to capture."""
 
 
+class WrapperStateError(UnsnapshottableWrapperError):
+    """A wrapper lacks an attribute its declared state names.
+
+    The built-in table names private attributes of the Gymnasium wrappers of the versions
+    pyproject allows; another version may have renamed them.
+    """
+
+
 class ResetNeededError(Error, RuntimeError):
     """``step``/``snapshot`` was called before ``reset``."""
 
@@ -123,7 +132,7 @@ class FidelityViolation(SnapshotError, AssertionError):
     """A restored state behaves differently from the state that was snapshotted.
 
     Attributes:
-        violation: The structured record (``branchgym.wrappers.fidelity.Violation``): the
+        violation: The structured record (``branchgym.violation.Violation``): the
             check that caught it, the first diverging step, the field and both values.
     """
 

@@ -53,7 +53,6 @@ from branchgym.error import DependencyMissingError, ExecutorError, SnapshotNotSu
 
 __all__ = [
     "EnvRecipe",
-    "EnvSpec",
     "Outcome",
     "SnapshotRef",
     "Executor",
@@ -95,11 +94,6 @@ class EnvRecipe:
         import branchgym
 
         return branchgym.make(self.id, **self.kwargs)
-
-
-#: Former name. Gymnasium has its own ``EnvSpec`` (``env.spec``, a registration entry);
-#: this class is a recipe for building interchangeable instances, hence the new name.
-EnvSpec = EnvRecipe
 
 
 @dataclasses.dataclass

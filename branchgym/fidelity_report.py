@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 
 from branchgym.distributional import DistributionResult
-from branchgym.wrappers.fidelity import Violation
+from branchgym.violation import Violation
 
 __all__ = [
     "FidelityReport",

@@ -57,9 +57,9 @@ from branchgym.error import OptionError
 from branchgym.executors import EnvRecipe, Executor, InProcessExecutor, SnapshotRef, make_executor
 from branchgym.policy import ActionSample, ActRequest, Context, Policy, Turn
 from branchgym.schedules import ForkPoint, get_schedule
-from branchgym.tree import ROOT, RolloutTree
+from branchgym.tree import ROOT, Node, RolloutTree
 
-__all__ = ["grow_tree", "grow_trees", "group_rollouts", "spec_of", "KEEP_MODES"]
+__all__ = ["grow_tree", "group_rollouts", "spec_of", "KEEP_MODES"]
 
 #: How states at candidate branch points are kept until the schedule picks.
 KEEP_MODES = ("snapshot", "replay")
@@ -182,6 +182,7 @@ class _Line:
     snapshot_each: bool = False
     snaps: dict[int, SnapshotRef] = dataclasses.field(default_factory=dict)
     stepped: bool = False  # has a node of its own in the tree
+    moves: int = 0  # nodes this line has added
     rng: np.random.Generator | None = None  # this rollout's own random stream
 
 
@@ -207,6 +208,24 @@ class _Engine:
         # Every rollout draws from its own stream, keyed by (branch point, sibling): the
         # tree is a function of its seeds, not of the executor or the scheduling order.
         self.root_seed = int(rng.integers(2**63))
+        # Node ids follow the schedule, not the order in which lines finish (which depends
+        # on the executor's capacity): every node gets a key (phase, moves of its line
+        # before it, rollout) and number_nodes() renumbers the tree by it. That is the
+        # order an in-process run with room for every line adds them in.
+        self.phase = 0  # grow_tree: 0 the backbone, 1 the siblings
+        self.keys: list[tuple[int, int, int]] = []
+
+    def add(self, parent: int, moves: int, rollout: int, **fields: Any) -> Node:
+        """Add a node to the tree, keyed for :meth:`number_nodes`.
+
+        ``moves`` is -1 for a leaf that records a rollout that could not start.
+        """
+        self.keys.append((self.phase, moves, rollout))
+        return self.tree.add(parent, rollout=rollout, **fields)
+
+    def number_nodes(self) -> None:
+        """Renumber the tree's nodes in schedule order (see ``keys``)."""
+        self.tree.renumber(sorted(range(len(self.keys)), key=self.keys.__getitem__))
 
     def stream(self, *key: int) -> np.random.Generator:
         """The random stream of one rollout.
@@ -226,7 +245,7 @@ class _Engine:
 
     def record_not_run(self, parent: int, sibling: int, rollout: int, why: str) -> None:
         """A scheduled rollout that never ran: a leaf saying why (the group stays whole)."""
-        self.tree.add(parent, sibling=sibling, rollout=rollout, truncated=True, error=why)
+        self.add(parent, -1, rollout, sibling=sibling, truncated=True, error=why)
         self.tree.stats.errors += 1
 
     # -- snapshot bookkeeping -----------------------------------------------------
@@ -294,8 +313,10 @@ class _Engine:
             outs = self.ex.step([ln.session for ln in active], [s.action for s in samples])
             still = []
             for ln, smp, out in zip(active, samples, outs, strict=True):
-                node = self.tree.add(
+                node = self.add(
                     ln.parent,
+                    ln.moves,
+                    ln.rollout,
                     action=smp.action,
                     text=smp.text,
                     token_ids=smp.token_ids,
@@ -309,7 +330,6 @@ class _Engine:
                     truncated=out.truncated or out.error is not None,
                     info=dict(out.info) if isinstance(out.info, dict) else {},
                     sibling=ln.sibling,
-                    rollout=ln.rollout,
                     costs={"generate": cost, "env_step": out.seconds},
                     error=out.error,
                     parse_error=smp.parse_error,
@@ -319,7 +339,7 @@ class _Engine:
                 if out.error is not None:
                     self.tree.stats.errors += 1
                 ln.parent, ln.sibling, ln.prefix, ln.group = node.id, 0, (), None
-                ln.stepped = True
+                ln.stepped, ln.moves = True, ln.moves + 1
                 ln.context = ln.context.extend(
                     Turn(
                         smp.text,
@@ -571,10 +591,12 @@ def grow_tree(
                 if chosen
                 else {}
             )
+        eng.phase = 1
         _run_siblings(eng, tree, backbone, forks, refs, k, env_noise, max_concurrent)
         return tree
     finally:
         eng.release_all()
+        eng.number_nodes()
         tree.stats.rollouts = len(tree.leaves())
         tree.stats.generated_tokens = tree.generated_tokens()
         tree.stats.independent_tokens = tree.independent_tokens()
@@ -632,9 +654,8 @@ def _run_siblings(
             parent = tree[backbone[f.step]].parent
             rid = next(rollout_ids)
             if out.error is not None:
-                node = tree.add(parent, sibling=kk, rollout=rid, truncated=True, error=out.error)
+                eng.add(parent, -1, rid, sibling=kk, truncated=True, error=out.error)
                 tree.stats.errors += 1
-                del node
                 continue
             if f.step not in contexts:
                 contexts[f.step] = _context_at(tree, backbone, f.step)
@@ -664,22 +685,6 @@ def _run_siblings(
         remaining[f.step] -= 1
         if remaining[f.step] == 0:
             eng.release(refs[f.step])
-
-
-def grow_trees(
-    env: gym.Env | EnvRecipe | str,
-    policy: Policy,
-    seeds: Sequence[int],
-    schedule: str | Callable[..., list[ForkPoint]] = "entropy",
-    *,
-    progress: bool = True,
-    **kwargs: Any,
-) -> list[RolloutTree]:
-    """:func:`grow_tree` for each seed (a batch of prompts), with a progress bar."""
-    return [
-        grow_tree(env, policy, schedule, seed=s, **kwargs)
-        for s in tqdm(seeds, desc="trees", disable=not progress, leave=False)
-    ]
 
 
 def group_rollouts(
@@ -733,9 +738,7 @@ def group_rollouts(
         for i, out in zip(starts, outs, strict=True):
             tree.stats.env_s += out.seconds
             if out.error is not None:
-                tree.add(
-                    ROOT, rollout=i, sibling=i + 1 if n > 1 else 0, truncated=True, error=out.error
-                )
+                eng.add(ROOT, -1, i, sibling=i + 1 if n > 1 else 0, truncated=True, error=out.error)
                 tree.stats.errors += 1
                 continue
             if tree.observation is None:
@@ -752,6 +755,7 @@ def group_rollouts(
         return tree
     finally:
         eng.release_all()
+        eng.number_nodes()
         tree.stats.rollouts = len(tree.leaves())
         tree.stats.generated_tokens = tree.generated_tokens()
         tree.stats.independent_tokens = tree.independent_tokens()

@@ -37,7 +37,7 @@ from branchgym.error import (
     SnapshotNotPicklableError,
     SnapshotReleasedError,
 )
-from branchgym.wrappers.fidelity import Violation
+from branchgym.violation import Violation
 
 __all__ = [
     "EnvFactory",

@@ -52,7 +52,8 @@ from typing import Any
 import gymnasium as gym
 import numpy as np
 
-from branchgym.checker import as_factory, rollout_actions
+from branchgym.checker import as_factory
+from branchgym.core import declares_rng_excluded
 from branchgym.distributional import DistributionResult, distribution_phase
 from branchgym.error import FidelitySetupError
 from branchgym.fidelity_report import FidelityReport
@@ -61,14 +62,12 @@ from branchgym.state_machine import (
     Detected,
     EnvFactory,
     FidelityStats,
-    digest_or_none,
     fidelity_machine,
-    literal,
     program_header,
     replay_program,
     shrink_program,
 )
-from branchgym.wrappers.fidelity import Violation, declares_rng_excluded
+from branchgym.violation import Violation
 
 __all__ = [
     "FidelityReport",
@@ -91,18 +90,6 @@ DEFAULT_MAX_EXAMPLES = 100
 DEFAULT_STEPS = 30
 
 _MODES = ("auto", "exact", "distributional")
-
-# Former private names, kept for code that reached into this module before the split.
-_Stats = FidelityStats
-_Detected = Detected
-_literal = literal
-_make_header = program_header
-_digest = digest_or_none
-_run_ops = replay_program
-_post_shrink = shrink_program
-_distribution_phase = distribution_phase
-_rollout = rollout_actions  # former private copy of checker.rollout_actions
-
 
 def resolve_mode(mode: str, env: gym.Env) -> str:
     """``exact`` or ``distributional`` for ``env``; ``auto`` reads the stack's declaration."""

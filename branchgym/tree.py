@@ -335,6 +335,29 @@ class RolloutTree:
             parent = node.id
         return out
 
+    def renumber(self, order: Sequence[int]) -> None:
+        """Give the nodes new ids: the node ``order[i]`` (an old id) becomes node ``i``.
+
+        ``order`` lists every node once, each parent before its children. Children are
+        listed in their new id order, so :meth:`main_line` follows the first of them.
+        """
+        order = [int(i) for i in order]
+        if sorted(order) != list(range(len(self.nodes))):
+            raise ValueError(f"order must list each of the {len(self.nodes)} node ids once")
+        new = {old: i for i, old in enumerate(order)}
+        new[ROOT] = ROOT
+        nodes = [self.nodes[old] for old in order]
+        for node in nodes:
+            if new[node.parent] > new[node.id]:
+                raise ValueError(f"order puts node {node.id} before its parent {node.parent}")
+        self._children = {
+            new[p]: sorted(new[c] for c in kids) for p, kids in self._children.items()
+        }
+        self._fork_offsets = {new[p]: off for p, off in self._fork_offsets.items()}
+        for node in nodes:
+            node.id, node.parent = new[node.id], new[node.parent]
+        self.nodes = nodes
+
     def set_fork_offset(self, parent: int, token_offset: int) -> None:
         """Declare that the siblings under ``parent`` share ``token_offset`` leading tokens."""
         self._fork_offsets[parent] = int(token_offset)

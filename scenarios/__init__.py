@@ -26,11 +26,11 @@ from collections.abc import Callable
 from typing import Any
 
 import gymnasium as gym
-from branchgym.scenarios import faults
-from branchgym.scenarios._base import can_slip
 
 from branchgym.core import SnapshotAPI, SnapshottableEnv
 from branchgym.error import UnknownEnvError
+from branchgym.scenarios import faults
+from branchgym.scenarios._base import can_slip
 
 __all__ = [
     "Scenario",

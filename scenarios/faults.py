@@ -19,11 +19,11 @@ from typing import Any
 
 import gymnasium as gym
 import numpy as np
-from branchgym.scenarios._base import StatefulLayer, other_action
 
 from branchgym.core import SnapshottableEnv
 from branchgym.digest import stable_hash
 from branchgym.error import FidelitySetupError
+from branchgym.scenarios._base import StatefulLayer, other_action
 
 __all__ = [
     "ActionSlip",

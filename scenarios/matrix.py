@@ -21,9 +21,9 @@ from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
-from branchgym.scenarios import BENIGN, MUST_DETECT, SCENARIO_ENVS, SCENARIOS, ScenarioEnv
 
 from branchgym.checker import ActionChooser
+from branchgym.scenarios import BENIGN, MUST_DETECT, SCENARIO_ENVS, SCENARIOS, ScenarioEnv
 
 __all__ = ["CHECKS", "Cell", "Row", "run_matrix", "render_matrix", "branching_workload"]
 

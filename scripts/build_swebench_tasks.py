@@ -15,7 +15,7 @@ extracts each sdist, and for every task:
    must leave a FAIL_TO_PASS test failing or break a PASS_TO_PASS one; the base's own
    tests must pass.
 
-The output is ``branchgym/envs/swebench/realistic_repos/``: ``<project>/upstream/`` (the
+The output is ``data/swebench-realistic/``: ``<project>/upstream/`` (the
 trimmed sdist, licence included), ``<project>/<n>/`` per task (``base.json``: the base
 commit as edits of upstream's files, ``issue.md``, ``task.json``) and ``tasks.json``;
 ``branchgym.envs.swebench.generated`` turns them into git repositories and SWE-bench rows.
@@ -45,7 +45,7 @@ from branchgym.envs.swebench.generated import file_edits, write_tree
 
 ROOT = Path(__file__).resolve().parent.parent
 SPECS = Path(__file__).resolve().parent / "swebench_realistic"
-OUT = ROOT / "branchgym" / "envs" / "swebench" / "realistic_repos"
+OUT = ROOT / "data" / "swebench-realistic"
 TEST_CMD = "python3 -m pytest --no-header -rA --tb=no -p no:cacheprovider"
 _STATUS = re.compile(r"^(PASSED|FAILED|ERROR|SKIPPED|XFAIL|XPASS) (\S+)", re.M)
 

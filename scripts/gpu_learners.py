@@ -220,6 +220,7 @@ def options_for(algo: str, engine: str, args: argparse.Namespace, folders: dict,
 def run_one(algo: str, engine: str, args: argparse.Namespace, folders: dict, out: Path) -> dict:
     """Train ``algo`` with ``engine`` for ``args.steps`` steps; its timing and memory figures."""
     import torch
+
     from branchgym.agents.train import train
 
     options = options_for(algo, engine, args, folders, out)

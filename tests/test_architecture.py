@@ -7,8 +7,6 @@ function counts the same as one at the top of a module.
 import ast
 import pathlib
 
-import pytest
-
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 #: Source folders and the package each is installed as (see pyproject's package-dir).
 PACKAGES = {
@@ -28,14 +26,10 @@ def module_name(path: pathlib.Path) -> str:
 
 
 def source_files(*folders: str):
+    """Our modules: shipped data (upstream repositories, task sources) lives in data/."""
     for folder in folders:
         for path in sorted((ROOT / folder).rglob("*.py")):
-            # generated_repos and realistic_repos hold the SWE-bench task repositories:
-            # data, not our modules
-            if "__pycache__" not in path.parts and not {
-                "generated_repos",
-                "realistic_repos",
-            } & set(path.parts):
+            if "__pycache__" not in path.parts:
                 yield path
 
 
@@ -65,28 +59,109 @@ def test_module_names_map_the_source_folders():
     assert module_name(ROOT / "branchgym" / "bench" / "__init__.py") == "branchgym.bench"
 
 
-def test_engine_imports_nothing_from_agents():
-    """The core (branchgym/ but bench/, integrations/ and the CLI) never imports agents/.
+#: The engine: every module of ``branchgym/`` except the package's front door
+#: (``__init__.py``, which registers the built-in envs by entry-point strings; the engine
+#: may ``import branchgym`` to make an env by id), the CLI, ``bench/``, ``envs/`` and
+#: ``integrations/`` (branchgym inside other trainers, which builds on the learners).
+ENGINE_EXCLUDED = {"branchgym/__init__.py", "branchgym/cli.py"}
+ENGINE_EXCLUDED_FOLDERS = {"bench", "envs", "integrations"}
 
-    Policies, losses and learners build on the engine; the engine only knows the policy
-    protocol in :mod:`branchgym.policy`. The trainer integrations, like the studies, sit
-    on top of both (they reuse the learners' rows and estimators).
-    """
-    offenders = []
+#: What builds on the engine; the engine imports none of it. Each is named both as
+#: installed (``branchgym.wrappers``) and as its source folder (``wrappers``), which a
+#: checkout's root makes importable too.
+ABOVE_ENGINE = {
+    "branchgym.agents": "agents",
+    "branchgym.wrappers": "wrappers",
+    "branchgym.scenarios": "scenarios",
+    "branchgym.bench": None,
+    "branchgym.envs": None,
+}
+
+#: Known upward arrows, each with the change that removes it. The test fails when one is
+#: gone, so the list only shrinks.
+KNOWN_UPWARD = {
+    # The exact-gradient study's tree arrays are built from the toy env's TreeStructure;
+    # moving the study next to its env (or the structure into the engine) removes it.
+    ("branchgym/estimators.py", "branchgym.envs.toy.tree_mdp"),
+}
+
+
+def engine_files():
     for path in source_files("branchgym"):
         rel = path.relative_to(ROOT)
-        # bench/ and integrations/ (branchgym inside other trainers) build on the learners
-        if rel.parts[1] in ("bench", "integrations") or rel == pathlib.Path("branchgym/cli.py"):
+        if rel.as_posix() in ENGINE_EXCLUDED or rel.parts[1] in ENGINE_EXCLUDED_FOLDERS:
             continue
+        yield path
+
+
+def upward_imports(files, above):
+    """``(file, line, module)`` for every import of ``files`` that reaches into ``above``."""
+    for path in files:
+        rel = path.relative_to(ROOT).as_posix()
         for line, module, names in imports(path):
             targets = [module] + [f"{module}.{name}" for name in names]
-            if any(is_under(t, "branchgym.agents") or is_under(t, "agents") for t in targets):
-                offenders.append(f"{rel}:{line}: {module}")
-    assert not offenders, "engine modules import agents/:\n" + "\n".join(offenders)
+            for package, folder in above.items():
+                roots = [package] + ([folder] if folder else [])
+                if any(is_under(t, root) for t in targets for root in roots):
+                    yield rel, line, module
+                    break
 
 
-#: Old homes of moved bench modules: each only forwards, lazily and with a warning.
-DEPRECATED_BENCH_ALIASES = {"branchgym/envs/webshop/bench.py", "branchgym/envs/alfworld/bench.py"}
+def test_engine_files_are_the_core_modules():
+    rels = {p.relative_to(ROOT).as_posix() for p in engine_files()}
+    assert {"branchgym/core.py", "branchgym/testing.py", "branchgym/violation.py"} <= rels
+    assert not {r for r in rels if r.startswith(("branchgym/bench/", "branchgym/envs/"))}
+    assert not rels & ENGINE_EXCLUDED
+
+
+def test_upward_import_check_sees_every_spelling(tmp_path, monkeypatch):
+    """Absolute, relative, ``from branchgym import wrappers`` and the bare folder name."""
+    pkg = tmp_path / "branchgym"
+    pkg.mkdir()
+    spellings = {
+        "a.py": "from branchgym.wrappers.fidelity import FidelityCheck\n",
+        "b.py": "from .envs import toy\n",
+        "c.py": "from branchgym import bench\n",
+        "d.py": "def f():\n    import wrappers.fidelity\n",
+        "e.py": "from branchgym import core, error\n",
+    }
+    for name, text in spellings.items():
+        (pkg / name).write_text(text)
+    monkeypatch.setitem(globals(), "ROOT", tmp_path)  # module_name() reads ROOT
+    found = {rel for rel, _, _ in upward_imports(sorted(pkg.glob("*.py")), ABOVE_ENGINE)}
+    assert found == {"branchgym/a.py", "branchgym/b.py", "branchgym/c.py", "branchgym/d.py"}
+
+
+def test_engine_imports_nothing_above_it():
+    """The engine never imports agents/, wrappers/, scenarios/, bench/ or envs/.
+
+    Policies, losses, learners, wrappers, envs and studies build on the engine; the engine
+    only knows the policy protocol (:mod:`branchgym.policy`), the snapshot protocol
+    (:mod:`branchgym.core`) and the fidelity record (:mod:`branchgym.violation`).
+    """
+    found = {
+        (rel, module): line for rel, line, module in upward_imports(engine_files(), ABOVE_ENGINE)
+    }
+    offenders = [
+        f"{rel}:{line}: {module}"
+        for (rel, module), line in found.items()
+        if (rel, module) not in KNOWN_UPWARD
+    ]
+    assert not offenders, "engine modules import what builds on them:\n" + "\n".join(offenders)
+    stale = KNOWN_UPWARD - set(found)
+    assert not stale, f"known upward imports are gone, drop them from KNOWN_UPWARD: {stale}"
+
+
+def test_wrappers_import_neither_envs_nor_what_builds_on_them():
+    """Wrappers work on any Gymnasium env: they import the engine only."""
+    above = {k: v for k, v in ABOVE_ENGINE.items() if k != "branchgym.wrappers"}
+    offenders = [
+        f"{rel}:{line}: {module}"
+        for rel, line, module in upward_imports(source_files("wrappers"), above)
+    ]
+    assert not offenders, "wrappers import envs, scenarios, bench or agents:\n" + "\n".join(
+        offenders
+    )
 
 
 def test_env_packages_import_nothing_from_bench():
@@ -94,28 +169,12 @@ def test_env_packages_import_nothing_from_bench():
     offenders = []
     for path in source_files("branchgym/envs"):
         rel = path.relative_to(ROOT)
-        if rel.as_posix() in DEPRECATED_BENCH_ALIASES or rel.name == "cli.py":
+        if rel.name == "cli.py":
             continue
         for line, module, _ in imports(path):
             if is_under(module, "branchgym.bench"):
                 offenders.append(f"{rel}:{line}: {module}")
     assert not offenders, "env modules import the bench package:\n" + "\n".join(offenders)
-
-
-def test_moved_bench_modules_still_import_from_their_old_home():
-    import importlib
-
-    import pytest
-
-    from branchgym.bench import alfworld, webshop
-
-    for env, moved, name in [
-        ("webshop", webshop, "section_webshop"),
-        ("alfworld", alfworld, "section_alfworld"),
-    ]:
-        old = importlib.import_module(f"branchgym.envs.{env}.bench")
-        with pytest.warns(DeprecationWarning, match=f"branchgym.bench.{env}"):
-            assert getattr(old, name) is getattr(moved, name)
 
 
 def test_no_private_names_cross_module_boundaries():
@@ -138,26 +197,30 @@ def test_no_private_names_cross_module_boundaries():
     assert not offenders, "private names imported across modules:\n" + "\n".join(offenders)
 
 
-def test_former_private_names_still_resolve():
-    from branchgym.agents import run as training
+def test_no_module_keeps_an_alias_of_its_own_names():
+    """``Old = New`` for a function or class of the same module: a former name.
 
-    from branchgym import checker, core
-
-    assert core._walk_wrappers is core.walk_wrappers
-    assert core._capture is core.capture_wrapper_state
-    assert core._handler is core.wrapper_state_handler
-    assert checker._strip is checker.strip_volatile
-    assert checker._as_factory is checker.as_factory
-    assert training._require is training.require
-    assert training._choice is training.require_one_of
-
-
-def test_renamed_classes_keep_their_former_names():
-    from branchgym import executors
-    from branchgym.bench import runs
-
-    assert executors.EnvSpec is executors.EnvRecipe  # not Gymnasium's EnvSpec
-    assert runs.Run is runs.SeedResult  # not agents.training.Run
+    There has been no release, so a renamed or moved name updates its callers instead.
+    """
+    offenders = []
+    for path in source_files(*PACKAGES):
+        tree = ast.parse(path.read_text())
+        defined = {
+            n.name
+            for n in tree.body
+            if isinstance(n, ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef)
+        }
+        for node in tree.body:
+            if (
+                isinstance(node, ast.Assign)
+                and isinstance(node.value, ast.Name)
+                and node.value.id in defined
+            ):
+                names = ", ".join(ast.unparse(t) for t in node.targets)
+                offenders.append(
+                    f"{path.relative_to(ROOT)}:{node.lineno}: {names} = {node.value.id}"
+                )
+    assert not offenders, "aliases of former names:\n" + "\n".join(offenders)
 
 
 def test_long_modules_say_why_at_the_top():
@@ -193,13 +256,3 @@ def test_the_source_papers_figures_live_in_one_module():
                 if not isinstance(node.value, bool) and float(node.value) in figures:
                     offenders.append(f"{path.relative_to(ROOT)}:{node.lineno}: {node.value}")
     assert not offenders, "source figures written as literals:\n" + "\n".join(offenders)
-
-
-def test_moved_bench_modules_forward_and_warn():
-    import importlib
-
-    from branchgym.bench import webshop
-
-    old = importlib.import_module("branchgym.envs.webshop.bench")
-    with pytest.warns(DeprecationWarning, match="moved to branchgym.bench.webshop"):
-        assert old.SOURCE_MS == webshop.SOURCE_MS

@@ -3,9 +3,9 @@
 import gymnasium as gym
 import numpy as np
 import pytest
-from branchgym.agents.policy import ActRequest, Context, TextPolicy
 
 import branchgym
+from branchgym.agents.policy import ActRequest, Context, TextPolicy
 from branchgym.batch_rollout import (
     BatchStats,
     group_rollouts_batched,

@@ -1,8 +1,7 @@
 """``branchgym check`` runs the property suite too; exit codes follow both reports."""
 
-from branchgym.scenarios import SCENARIOS
-
 from branchgym.cli import main
+from branchgym.scenarios import SCENARIOS
 
 #: Passes check_env (its continuations replay the same actions) but not the property suite.
 stale_cache_tree = SCENARIOS["stale_obs_cache"].factory("branchgym/TreeMDP-v0")

@@ -16,7 +16,9 @@ from branchgym.error import (
     SnapshotNotSupportedError,
     SnapshotReleasedError,
     UnsnapshottableWrapperError,
+    WrapperStateError,
 )
+from branchgym.wrappers import PickleSnapshot
 
 
 def walk(env, actions):
@@ -245,6 +247,36 @@ def test_unknown_wrapper_fails_loudly_and_declaration_fixes_it():
     env2.step(0)
     branchgym.restore(env2, snap)
     assert env2.count == 1
+
+
+def wrapper_of(env, cls):
+    while not isinstance(env, cls):
+        env = env.env
+    return env
+
+
+def test_wrapper_missing_a_declared_attribute_names_wrapper_and_attribute():
+    """Another Gymnasium version, simulated: a wrapper without a private name the table has."""
+
+    def stack_without(cls, name, pickled):
+        env = gym.make("branchgym/TreeMDP-v0", max_episode_steps=50)
+        env = PickleSnapshot(env) if pickled else env
+        env.reset(seed=0)
+        delattr(wrapper_of(env, cls), name)
+        return env
+
+    for pickled in (False, True):
+        env = stack_without(gym.wrappers.PassiveEnvChecker, "checked_data_reuse", pickled)
+        want = r"PassiveEnvChecker has no attribute 'checked_data_reuse'"
+        with pytest.raises(WrapperStateError, match=want) as exc:
+            branchgym.snapshot(env)
+        assert "register_wrapper_state(PassiveEnvChecker" in str(exc.value)
+        assert isinstance(exc.value, UnsnapshottableWrapperError)
+        if not pickled:  # digests skip volatile attributes, and PassiveEnvChecker's all are
+            branchgym.state_digest(env)
+        env = stack_without(gym.wrappers.TimeLimit, "_elapsed_steps", pickled)
+        with pytest.raises(WrapperStateError, match=r"TimeLimit has no attribute '_elapsed_"):
+            branchgym.state_digest(env)
 
 
 def test_stateless_declaration():

@@ -7,25 +7,25 @@ import time
 import cloudpickle
 import gymnasium as gym
 import pytest
-from branchgym.agents.policy import TextPolicy
 
 import branchgym
+from branchgym.agents.policy import TextPolicy
 from branchgym.envs.toy.text_tree_mdp import TextTreeMDP
 from branchgym.error import ExecutorError
 from branchgym.executors import (
-    EnvSpec,
+    EnvRecipe,
     InProcessExecutor,
     ProcessExecutor,
     ThreadExecutor,
     make_executor,
 )
-from branchgym.rollout import grow_tree
+from branchgym.rollout import group_rollouts, grow_tree
 
 # Workers (spawned processes, Ray actors) get this module's classes by value.
 cloudpickle.register_pickle_by_value(sys.modules[__name__])
 
 STEPS = {"gap_unit": "steps"}
-TEXT = EnvSpec("branchgym/TextTreeMDP-v0")
+TEXT = EnvRecipe("branchgym/TextTreeMDP-v0")
 
 
 class Crashy(TextTreeMDP):
@@ -58,7 +58,7 @@ def crashy(mode):
         env = gym.wrappers.TimeLimit(Crashy(mode=mode), 20)
         return branchgym.core.SnapshotAPI(env)
 
-    return EnvSpec(f"crashy-{mode}", factory=make)
+    return EnvRecipe(f"crashy-{mode}", factory=make)
 
 
 def grow(spec, executor, **kw):
@@ -77,17 +77,44 @@ def procs():
     ex.shutdown()
 
 
-def test_every_executor_grows_the_same_tree(procs):
-    # Same seeds and the same capacity (sessions at once) give the same tree anywhere.
+def nodes(tree):
+    """Every node with its id, its parent's id and where it hangs: the node list rows follow."""
+    return [(n.id, n.rollout, n.sibling, *s) for n, s in zip(tree, summary(tree), strict=True)]
+
+
+def test_every_executor_grows_the_same_tree_with_the_same_node_ids(procs):
+    # Same seeds give the same node list, ids included, on every executor and whatever
+    # its capacity (sessions at once): ids follow the schedule, not the order lines finish.
     ref = grow(TEXT, None)
-    for ex in (InProcessExecutor(), ThreadExecutor(3), procs):
-        tree = grow(TEXT, ex)
-        assert summary(tree) == summary(ref), ex.name
-        assert ex.live_snapshots().count == 0
-    one = grow(TEXT, InProcessExecutor(max_instances=1))
-    with ProcessExecutor(n_workers=1) as single:
-        assert summary(grow(TEXT, single)) == summary(one)
+    assert len({n.rollout for n in ref}) == 7  # the backbone and 2 x 3 siblings
+    with ProcessExecutor(n_workers=1) as single, ProcessExecutor(n_workers=2) as pair:
+        for ex in (
+            InProcessExecutor(),
+            InProcessExecutor(max_instances=1),
+            ThreadExecutor(3),
+            ThreadExecutor(2, max_instances=2),
+            procs,
+            single,
+            pair,
+        ):
+            tree = grow(TEXT, ex)
+            assert nodes(tree) == nodes(ref), (ex.name, ex.capacity)
+            assert ex.live_snapshots().count == 0
     assert branchgym.live_snapshots().count == 0
+
+
+def test_node_ids_do_not_depend_on_capacity_with_failed_siblings_and_groups():
+    for spec in (TEXT, crashy("raise")):
+        trees = [grow(spec, InProcessExecutor(max_instances=c)) for c in (None, 1, 2)]
+        assert nodes(trees[1]) == nodes(trees[0]) == nodes(trees[2])
+    assert any(n.error for n in trees[0])  # the crashy tree recorded its failed siblings
+    groups = [
+        group_rollouts(
+            TEXT, TextPolicy(), 5, seed=0, rng=1, executor=InProcessExecutor(max_instances=c)
+        )
+        for c in (None, 1, 3)
+    ]
+    assert nodes(groups[1]) == nodes(groups[0]) == nodes(groups[2])
 
 
 def test_process_executor_moves_portable_snapshots_between_workers(procs):
@@ -155,7 +182,7 @@ class Pinned(TextTreeMDP):
 
 
 def test_unpicklable_snapshots_stay_on_their_worker():
-    spec = EnvSpec("pinned", factory=lambda: branchgym.core.SnapshotAPI(Pinned()))
+    spec = EnvRecipe("pinned", factory=lambda: branchgym.core.SnapshotAPI(Pinned()))
     with ProcessExecutor(n_workers=2) as ex:
         tree = grow(spec, ex)
         assert tree.stats.rollouts == 7 and tree.stats.errors == 0
@@ -195,10 +222,8 @@ def test_ray_executor_with_a_crashing_actor():
     ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])  # Ray's own cloudpickle
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
     try:
-        with RayExecutor(n_workers=2) as ex:
-            assert summary(grow(TEXT, ex)) == summary(
-                grow(TEXT, InProcessExecutor(max_instances=2))
-            )
+        with RayExecutor(n_workers=2) as ex:  # capacity 2: node ids as with room for all
+            assert nodes(grow(TEXT, ex)) == nodes(grow(TEXT, None))
             tree = grow(crashy("exit"), ex)
             failed = [n for n in tree if n.error]
             assert failed and all("worker died" in n.error for n in failed)

@@ -15,17 +15,17 @@ import time
 import cloudpickle
 import gymnasium as gym
 import pytest
-from branchgym.agents.policy import TextPolicy
 
 import branchgym
+from branchgym.agents.policy import TextPolicy
 from branchgym.envs.toy.text_tree_mdp import TextTreeMDP
-from branchgym.executors import EnvSpec, InProcessExecutor, ProcessExecutor, ThreadExecutor
+from branchgym.executors import EnvRecipe, InProcessExecutor, ProcessExecutor, ThreadExecutor
 from branchgym.rollout import grow_tree
 
 cloudpickle.register_pickle_by_value(sys.modules[__name__])
 
 STEPS = {"gap_unit": "steps"}
-TEXT = EnvSpec("branchgym/TextTreeMDP-v0")
+TEXT = EnvRecipe("branchgym/TextTreeMDP-v0")
 
 
 class Faulty(TextTreeMDP):
@@ -79,7 +79,7 @@ def spec_of(cls, **kw):
     def make():
         return branchgym.core.SnapshotAPI(gym.wrappers.TimeLimit(cls(**kw), 20))
 
-    return EnvSpec(f"{cls.__name__}-{kw}", factory=make)
+    return EnvRecipe(f"{cls.__name__}-{kw}", factory=make)
 
 
 def grow(spec, executor, **kw):
@@ -169,7 +169,7 @@ import sys, time, cloudpickle, gymnasium as gym
 sys.path.insert(0, {tests!r})
 import branchgym
 from branchgym.agents.policy import TextPolicy
-from branchgym.executors import EnvSpec, {executor}
+from branchgym.executors import EnvRecipe, {executor}
 from branchgym.rollout import grow_tree
 from test_faults import spec_of, Faulty, grow
 cloudpickle.register_pickle_by_value(sys.modules["test_faults"])
@@ -261,12 +261,12 @@ def test_max_episode_steps_minus_one_means_no_limit_not_one_step():
     from branchgym.error import OptionError
 
     # Gymnasium's -1 is "no TimeLimit": rollouts must not be cut after one decision.
-    spec = EnvSpec("branchgym/TextTreeMDP-v0", {"max_episode_steps": -1})
+    spec = EnvRecipe("branchgym/TextTreeMDP-v0", {"max_episode_steps": -1})
     tree = grow(spec, None)
     assert max(len(p) for p in tree.paths()) > 1
     assert all(tree[p[-1]].terminated for p in tree.paths())
     with pytest.raises(OptionError, match="max_episode_steps must be a whole number >= 1"):
-        grow(EnvSpec("branchgym/TextTreeMDP-v0", {"max_episode_steps": 0}), None)
+        grow(EnvRecipe("branchgym/TextTreeMDP-v0", {"max_episode_steps": 0}), None)
 
 
 @pytest.mark.parametrize(
@@ -303,7 +303,7 @@ def _summary(tree):
 def test_the_same_seeds_give_the_same_tree_on_every_executor_and_size():
     # Each rollout draws from its own stream (seed, branch point, sibling): batching,
     # capacity and scheduling order no longer change a tree.
-    noisy = EnvSpec("branchgym/TextTreeMDP-v0", {"transition_noise": 0.6, "reward_noise": 0.3})
+    noisy = EnvRecipe("branchgym/TextTreeMDP-v0", {"transition_noise": 0.6, "reward_noise": 0.3})
     makers = [
         lambda: InProcessExecutor(max_instances=1),
         lambda: InProcessExecutor(max_instances=2),
@@ -352,7 +352,7 @@ def test_the_fault_suite_on_ray_actors():
     before = set(_children_of(os.getpid()))  # earlier tests' helpers are not Ray's
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
     try:
-        noisy = EnvSpec("branchgym/TextTreeMDP-v0", {"transition_noise": 0.6})
+        noisy = EnvRecipe("branchgym/TextTreeMDP-v0", {"transition_noise": 0.6})
         ref = _summary(grow(noisy, None))
         for n_workers in (1, 2):
             with RayExecutor(n_workers=n_workers, timeout=3) as ex:

@@ -27,10 +27,35 @@ def test_every_package_folder_is_declared():
         assert package_dir[name] == folder
         for init in (ROOT / folder).rglob("__init__.py"):
             rel = init.parent.relative_to(ROOT / folder)
-            if {"__pycache__", "generated_repos", "realistic_repos"} & set(rel.parts):
-                continue  # *_repos: the SWE-bench task repositories, package data
+            if "__pycache__" in rel.parts:
+                continue
             dotted = ".".join([name, *rel.parts])
             assert dotted in packages, f"{dotted} missing from [tool.setuptools] packages"
+
+
+def test_shipped_data_is_one_folder_under_one_rule():
+    """data/ holds every shipped repository and task source; each tool has one rule for it.
+
+    The wheel maps it to ``branchgym/data/``, ruff skips it, and no folder of the import
+    tree holds .py files that are not modules (a folder with .py files is a package).
+    """
+    cfg = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]
+    tops = sorted(p.name for p in (ROOT / "data").iterdir() if p.is_dir())
+    assert tops and not [t for t in tops if t.isidentifier()], tops  # never importable
+    assert cfg["setuptools"]["package-dir"]["branchgym.data"] == "data"
+    assert "branchgym.data" in cfg["setuptools"]["packages"]
+    assert sorted(cfg["setuptools"]["package-data"]["branchgym.data"]) == [
+        f"{t}/**/*" for t in tops
+    ]
+    assert sorted(cfg["ruff"]["extend-exclude"]) == [".venv", "build", "data"]
+    for folder in [*MAPPED, "branchgym"]:
+        for path in (ROOT / folder).rglob("*.py"):
+            assert (path.parent / "__init__.py").exists(), f"{path}: data belongs in data/"
+    from branchgym.envs.swebench import generated
+
+    assert generated.SHIPPED_DATA == ROOT / "data"  # a checkout (editable install) finds it
+    assert (generated.DATA_DIR / "tasks.json").is_file()
+    assert (generated.REALISTIC_DIR / "tasks.json").is_file()
 
 
 def test_imports_from_repo_root():
@@ -59,9 +84,9 @@ def test_built_wheel_installs_in_a_throwaway_venv(tmp_path):
     tops = {n.split("/")[0] for n in names}
     assert not tops & {"wrappers", "scenarios", "agents", "tests"}, tops
     assert "branchgym/wrappers/__init__.py" in names and "branchgym/agents/__init__.py" in names
-    data = "branchgym/envs/swebench/generated_repos/"
+    data = "branchgym/data/swebench-generated/"
     assert data + "tasks.json" in names and data + "textstats/base/textstats/core.py" in names
-    real = "branchgym/envs/swebench/realistic_repos/"
+    real = "branchgym/data/swebench-realistic/"
     assert real + "tasks.json" in names and real + "six/upstream/LICENSE" in names
     assert real + "cachetools/upstream/src/cachetools/__init__.py" in names
     assert {f"branchgym/view_assets/viewer.{x}" for x in ("html", "js", "css")} <= set(names)

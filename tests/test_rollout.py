@@ -3,10 +3,10 @@
 import gymnasium as gym
 import numpy as np
 import pytest
-from branchgym.agents.policy import ScriptedPolicy, TabularPolicy, TextPolicy
 
 import branchgym
-from branchgym.executors import EnvSpec, InProcessExecutor
+from branchgym.agents.policy import ScriptedPolicy, TabularPolicy, TextPolicy
+from branchgym.executors import EnvRecipe, InProcessExecutor
 from branchgym.rollout import group_rollouts, grow_tree
 from branchgym.schedules import ForkPoint
 
@@ -63,7 +63,7 @@ def test_keep_replay_reproduces_keep_snapshot():
 
 
 def test_env_noise_fresh_makes_siblings_independent_draws():
-    spec = EnvSpec("branchgym/TreeMDP-v0", {"transition_noise": 1.0, "n_outcomes": 4})
+    spec = EnvRecipe("branchgym/TreeMDP-v0", {"transition_noise": 1.0, "n_outcomes": 4})
     pol = ScriptedPolicy([0])  # every sibling takes the same actions
 
     def sibling_obs(noise):
@@ -152,7 +152,7 @@ def test_env_instance_fast_path_uses_one_instance():
         made.append(1)
         return gym.make(TEXT)
 
-    spec = EnvSpec("counted", factory=factory)
+    spec = EnvRecipe("counted", factory=factory)
     grow_tree(
         spec,
         TextPolicy(),

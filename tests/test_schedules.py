@@ -6,8 +6,8 @@ import math
 import gymnasium as gym
 import numpy as np
 import pytest
-from branchgym.agents.policy import TabularPolicy
 
+from branchgym.agents.policy import TabularPolicy
 from branchgym.envs.toy.tree_mdp import TreeStructure
 from branchgym.error import ScheduleError
 from branchgym.rollout import grow_tree

@@ -9,12 +9,12 @@ import subprocess
 
 import gymnasium as gym
 import pytest
-from branchgym.wrappers import PickleSnapshot
 
 import branchgym
 from branchgym import serialization
 from branchgym.core import _MAGIC, _MAGIC_V1, Snapshot, _rebuild_snapshot
 from branchgym.error import SnapshotCorruptError, SnapshotUntrustedError
+from branchgym.wrappers import PickleSnapshot
 
 
 @pytest.fixture

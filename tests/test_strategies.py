@@ -4,12 +4,12 @@ import pickle
 
 import gymnasium as gym
 import pytest
-from branchgym.wrappers import PickleSnapshot, ReplaySnapshot
 
 import branchgym
 from branchgym.checker import check_env
 from branchgym.compare import first_difference
 from branchgym.error import SnapshotCorruptError, SnapshotMismatchError
+from branchgym.wrappers import PickleSnapshot, ReplaySnapshot
 
 ENVS = [
     ("CartPole-v1", {}),

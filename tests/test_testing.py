@@ -5,10 +5,10 @@ import re
 import gymnasium as gym
 import numpy as np
 import pytest
-from branchgym.scenarios import MUST_DETECT, SCENARIOS
 
 from branchgym.envs.toy import TreeMDP
 from branchgym.error import FidelitySetupError
+from branchgym.scenarios import MUST_DETECT, SCENARIOS
 from branchgym.testing import (
     check_snapshot_fidelity,
     fidelity_machine,

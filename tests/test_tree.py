@@ -126,6 +126,35 @@ def test_bad_nodes_are_rejected(tree):
         tree.add(ROOT, **node([1], prefix_len=2))
 
 
+def test_renumber_keeps_the_tree_and_changes_only_ids(tree):
+    i = tree.ids
+    tree.set_fork_offset(i["a0"], 1)
+    before = {(n.text, tuple(n.token_ids)): n for n in tree}
+    paths = [[tuple(tree[n].token_ids) for n in p] for p in tree.paths()]
+
+    def forks():  # sibling order follows ids, so compare each branch point's returns as a set
+        return sorted(
+            (b.step, b.k, sorted(b.returns), b.token_offset) for b in tree.branch_points()
+        )
+
+    bps = forks()
+    # the d line first, then the backbone, then b and c interleaved step by step
+    order = [i[k] for k in ("d0", "d1", "d2", "a0", "a1", "a2", "c1", "b1", "c2", "b2")]
+    tree.renumber(order)
+    assert [n.id for n in tree] == list(range(len(tree)))
+    assert [tuple(n.token_ids) for n in tree][:3] == [(14,), (15,), (16, 17)]
+    assert {(n.text, tuple(n.token_ids)): n for n in tree} == before  # same Node objects
+    new_paths = [[tuple(tree[n].token_ids) for n in p] for p in tree.paths()]
+    assert sorted(new_paths) == sorted(paths)
+    assert tree.backbone == [0, 1, 2]  # the first child of the root is now d0
+    assert tree.children(3) == [4, 6, 7]  # a0's children in their new id order: a1, c1, b1
+    assert forks() == bps
+    with pytest.raises(ValueError, match="once"):
+        tree.renumber([0, 0, 1, 2, 3, 4, 5, 6, 7, 8])
+    with pytest.raises(ValueError, match="before its parent"):
+        tree.renumber([1, 0, *range(2, 10)])
+
+
 def test_action_entropy_reductions():
     e = np.array([0.2, 0.4, 0.9])
     assert action_entropy(e, "mean") == pytest.approx(0.5)

@@ -6,12 +6,12 @@ import json
 import gymnasium as gym
 import numpy as np
 import pytest
-from branchgym.agents.policy import TextPolicy
 
 import branchgym
+from branchgym.agents.policy import TextPolicy
 from branchgym.envs.toy.text_tree_mdp import TextTreeMDP
 from branchgym.error import DataError, TreeFormatError
-from branchgym.executors import EnvSpec, InProcessExecutor
+from branchgym.executors import EnvRecipe, InProcessExecutor
 from branchgym.rollout import grow_tree
 from branchgym.tree import RolloutTree
 from branchgym.tree_format import (
@@ -45,7 +45,7 @@ def grown_tree():
 
     with InProcessExecutor(max_instances=1) as ex:
         return grow_tree(
-            EnvSpec("RestoreFails-v0", factory=make), TextPolicy(), "entropy", m=2, k=3,
+            EnvRecipe("RestoreFails-v0", factory=make), TextPolicy(), "entropy", m=2, k=3,
             seed=5, rng=1, executor=ex, schedule_options={"gap_unit": "steps"},
         )  # fmt: skip
 

@@ -17,8 +17,8 @@ wrapper checks it online, during training or an evaluation run:
   state outside the snapshot: RNGs, caches, files, module globals, wrapper counters.
 * ``mode="both"``: the two together.
 
-A violation is recorded as a :class:`Violation` (the check, the first diverging step, the
-field and both values); ``on_violation`` says whether it then raises
+A violation is recorded as a :class:`~branchgym.violation.Violation` (the check, the first
+diverging step, the field and both values); ``on_violation`` says whether it then raises
 :class:`~branchgym.error.FidelityViolation`, warns with
 :class:`~branchgym.error.FidelityWarning`, or is only recorded in :attr:`FidelityCheck.violations`.
 """
@@ -36,20 +36,23 @@ import gymnasium as gym
 
 from branchgym.checker import strip_volatile, volatile_keys
 from branchgym.compare import first_step_difference
-from branchgym.core import Snapshot, SnapshotWrapper, restore, snapshot, state_digest
+from branchgym.core import (
+    Snapshot,
+    SnapshotWrapper,
+    declares_rng_excluded,
+    restore,
+    snapshot,
+    state_digest,
+)
 from branchgym.error import (
     FidelitySetupError,
     FidelityViolation,
     FidelityWarning,
     ResetNeededError,
 )
+from branchgym.violation import Violation
 
-__all__ = [
-    "FidelityCheck",
-    "Violation",
-    "declares_rng_excluded",
-    "META_KEY",
-]
+__all__ = ["FidelityCheck", "META_KEY"]
 
 #: Key of the bookkeeping a FidelityCheck stores in ``Snapshot.meta``.
 META_KEY = "branchgym.fidelity"
@@ -57,69 +60,6 @@ META_KEY = "branchgym.fidelity"
 _MODES = {"digest": ("digest",), "shadow": ("shadow",), "both": ("digest", "shadow")}
 _ON_VIOLATION = ("raise", "warn", "record")
 _TWINS = ("auto", "replay", "pickle")
-
-
-@dataclasses.dataclass(frozen=True)
-class Violation:
-    """One fidelity violation: where the restored env first behaved differently.
-
-    Attributes:
-        check: What caught it: ``digest`` or ``shadow`` (this wrapper); the property suite
-            uses ``determinism``, ``restore``, ``continuation``, ``replay``, ``pickle``,
-            ``release``, ``exception`` and ``distribution``.
-        field: The first differing field: ``obs``, ``reward``, ``terminated``,
-            ``truncated``, ``info['key'][i]``, ``state_digest``, ...
-        live: The value the live (restored) env produced.
-        reference: The value the reference produced (the state at snapshot time, the
-            twin, or the model replay).
-        step: Episode step at which the divergence showed (the first diverging step).
-        since_restore: Steps taken since the restore (0: the restored state itself);
-            ``None`` when no restore was involved.
-        detail: One line of context (which route built the reference, ...).
-    """
-
-    check: str
-    field: str
-    live: Any
-    reference: Any
-    step: int | None = None
-    since_restore: int | None = None
-    detail: str = ""
-
-    def __str__(self) -> str:
-        where = []
-        if self.step is not None:
-            where.append(f"step {self.step}")
-        if self.since_restore is not None:
-            where.append(
-                "right after restore"
-                if self.since_restore == 0
-                else f"{self.since_restore} step(s) after restore"
-            )
-        loc = f" ({', '.join(where)})" if where else ""
-        text = f"{self.check}: {self.field}: {_short(self.live)} != {_short(self.reference)}{loc}"
-        return f"{text}; {self.detail}" if self.detail else text
-
-
-def _short(v: Any, limit: int = 160) -> str:
-    r = repr(v)
-    return r if len(r) <= limit else r[: limit - 3] + "..."
-
-
-def declares_rng_excluded(env: gym.Env) -> bool:
-    """True when a layer of the stack declares ``snapshot_includes_rng = False``.
-
-    Such envs (ALE's ``cloneState`` semantics) restore the state but not the random
-    stream, so continuations agree in distribution only; exact comparisons of steps
-    after a restore do not apply to them.
-    """
-    e: Any = env
-    while True:
-        if getattr(e, "snapshot_includes_rng", True) is False:
-            return True
-        if not isinstance(e, gym.Wrapper):
-            return False
-        e = e.env
 
 
 def _spec_factory(env: gym.Env) -> Callable[[], gym.Env] | None:
@@ -168,7 +108,7 @@ class FidelityCheck(SnapshotWrapper, gym.utils.RecordConstructorArgs):
             1.0 checks every one. Lower it to bound the cost during long training runs.
 
     Attributes:
-        violations: Every :class:`Violation` seen so far.
+        violations: Every :class:`~branchgym.violation.Violation` seen so far.
         stats: Counters: ``snapshots``, ``recorded``, ``restores``, ``verified``,
             ``unverified`` (snapshots not taken through a FidelityCheck), ``twins``,
             ``twins_skipped``, ``shadowed_steps``.

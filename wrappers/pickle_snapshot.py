@@ -20,8 +20,8 @@ from branchgym import serialization
 from branchgym.core import (
     Snapshot,
     SnapshotWrapper,
+    read_wrapper_state,
     walk_wrappers,
-    wrapper_state_handler,
 )
 from branchgym.digest import stable_hash
 from branchgym.error import ResetNeededError, SnapshotCorruptError, SnapshotUntrustedError
@@ -156,10 +156,7 @@ class PickleSnapshot(SnapshotWrapper, gym.utils.RecordConstructorArgs):
     def state_digest(self) -> str:
         """Digest of the base env's state and the wrappers' non-volatile state."""
         wrappers = walk_wrappers(self.env)
-        parts = []
-        for w in wrappers:
-            h = wrapper_state_handler(w)
-            parts.append({a: getattr(w, a) for a in h.attrs if a not in h.volatile})
+        parts = [read_wrapper_state(w, digest=True) for w in wrappers]
         _, base_state = self._state()
         try:
             base_digest = stable_hash(base_state)

@@ -265,9 +265,9 @@ def _check(model: str, out_path: str, n: int = 3, max_tokens: int = 12) -> None:
 def _tree_check(eng: VLLMEngine) -> dict[str, Any]:
     """Grow a small tree with this engine behind LLMPolicy; record what a test rescores."""
     import gymnasium as gym
-    from branchgym.agents.policy import Context, LLMPolicy, Turn
 
     import branchgym
+    from branchgym.agents.policy import Context, LLMPolicy, Turn
     from branchgym.rollout import grow_tree
 
     policy = LLMPolicy(eng, max_new_tokens=6)

@@ -379,6 +379,7 @@ class VLLMWorker:
 def serve(model: str, socket_path: str, max_new_tokens: int, llm_kwargs: dict[str, Any]) -> None:
     """Run a :class:`VLLMEngine` on ``model`` and answer one trainer on ``socket_path``."""
     import torch
+
     from branchgym.agents.engines.vllm import VLLMEngine
 
     key = bytes.fromhex(os.environ.pop(_KEY_ENV))

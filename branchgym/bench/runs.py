@@ -24,7 +24,6 @@ __all__ = [
     "CI_MAZE",
     "STUDY_MAZE",
     "SeedResult",
-    "Run",
     "mean_curve",
     "mean_se",
     "reach_step",
@@ -85,9 +84,6 @@ class SeedResult:
         """Every logged value of ``key`` (training steps only)."""
         return [float(h[key]) for h in self.history if key in h]
 
-
-#: Former name (``agents.training.Run`` is the training run; this is its reduced result).
-Run = SeedResult
 
 #: Options every training run of the current study gets (``branchgym bench --log``).
 _OPTIONS: dict[str, Any] = {}

@@ -7,12 +7,11 @@ import pytest
 torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
+import branchgym  # noqa: E402
 from branchgym.agents.engines.hf import HFEngine  # noqa: E402
 from branchgym.agents.models import load_model, tiny_qwen2  # noqa: E402
 from branchgym.agents.policy import LLMPolicy  # noqa: E402
 from branchgym.agents.train import train  # noqa: E402
-
-import branchgym  # noqa: E402
 from branchgym.batch_rollout import BatchStats, grow_trees_batched  # noqa: E402
 from branchgym.error import EngineError  # noqa: E402
 from branchgym.rollout import grow_tree, spec_of  # noqa: E402

@@ -17,7 +17,6 @@ from branchgym.agents.distributed import (  # noqa: E402
     data_parallel,
     reduce_metrics,
 )
-
 from branchgym.error import CheckpointError, TrainingConfigError  # noqa: E402
 
 WORKER = Path(__file__).with_name("dist_worker.py")
@@ -62,9 +61,10 @@ def _dcp_model(folder: Path, tmp: Path) -> dict:
 
 @pytest.mark.slow
 def test_two_gloo_ranks_equal_one_process_and_resume_from_shards(tmp_path):
+    from safetensors.torch import load_file
+
     from branchgym.agents.models import save_tiny_qwen2
     from branchgym.agents.train import train
-    from safetensors.torch import load_file
 
     model = str(save_tiny_qwen2(tmp_path / "tiny"))  # one tokenizer build, not one per rank
     env = {**os.environ, "OMP_NUM_THREADS": "1"}

@@ -13,11 +13,10 @@ import pytest
 torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
+import branchgym  # noqa: E402
 from branchgym.agents.engines.hf import HFEngine  # noqa: E402
 from branchgym.agents.models import load_model, save_tiny_qwen2, tiny_qwen2  # noqa: E402
 from branchgym.agents.policy import ActRequest, Context, LLMPolicy, Turn  # noqa: E402
-
-import branchgym  # noqa: E402
 from branchgym.error import DataError, EngineError  # noqa: E402
 from branchgym.rollout import grow_tree  # noqa: E402
 from branchgym.schedules import topk_entropy  # noqa: E402

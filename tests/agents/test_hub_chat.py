@@ -14,7 +14,6 @@ from branchgym.agents.engines.hf import HFEngine  # noqa: E402
 from branchgym.agents.hub import hub_cache_dir, is_hub_id, resolve_hub_id  # noqa: E402
 from branchgym.agents.models import load_model, save_tiny_qwen2, tiny_tokenizer  # noqa: E402
 from branchgym.agents.policy import Context, LLMPolicy, Turn  # noqa: E402
-
 from branchgym.error import DataError, ModelNotCachedError  # noqa: E402
 
 #: A non-ChatML template (Zephyr-like markers in plain text, the reply closed by eos).

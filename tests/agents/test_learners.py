@@ -24,11 +24,10 @@ from branchgym.agents.evaluation import exact_value  # noqa: E402
 from branchgym.agents.models import load_model, tiny_qwen2  # noqa: E402
 from branchgym.agents.scoring import ScoringPolicy  # noqa: E402
 from branchgym.agents.train import train  # noqa: E402
-
-from branchgym.executors import EnvSpec  # noqa: E402
+from branchgym.executors import EnvRecipe  # noqa: E402
 
 ENV_KWARGS = {"depth": 3, "n_actions": 3, "reward_kind": "bernoulli", "structure_seed": 2}
-SPEC = EnvSpec("branchgym/TextTreeMDP-v0", ENV_KWARGS)
+SPEC = EnvRecipe("branchgym/TextTreeMDP-v0", ENV_KWARGS)
 CI = {
     "env_kwargs": ENV_KWARGS,
     "model": "tiny",
@@ -161,10 +160,10 @@ def _leaf(tree, parent, reward, error=None):
 
 def test_group_learners_leave_failed_rollouts_out_of_the_group():
     import numpy as np
+
     from branchgym.agents import grpo
     from branchgym.agents.metrics import rollout_metrics
     from branchgym.agents.rows import Batch
-
     from branchgym.tree import RolloutTree
 
     t = RolloutTree("hand", 0, "start", {})
@@ -181,7 +180,6 @@ def test_group_learners_leave_failed_rollouts_out_of_the_group():
 
 def test_bpo_leaves_failed_siblings_out_of_eq4():
     from branchgym.agents import bpo
-
     from branchgym.tree import RolloutTree
 
     t = RolloutTree("hand", 0, "start", {})

@@ -8,8 +8,8 @@ import math
 
 import pytest
 import torch
-from branchgym.agents import losses as L
 
+from branchgym.agents import losses as L
 from branchgym.error import LossInputError
 
 

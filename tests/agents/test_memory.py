@@ -25,7 +25,6 @@ from branchgym.agents.memory import (  # noqa: E402
 from branchgym.agents.models import load_model  # noqa: E402
 from branchgym.agents.run import Batch, Run  # noqa: E402
 from branchgym.agents.train import train  # noqa: E402
-
 from branchgym.cli import main as cli_main  # noqa: E402
 from branchgym.error import TrainingConfigError  # noqa: E402
 from branchgym.rollout import grow_tree  # noqa: E402
@@ -304,8 +303,9 @@ def test_estimate_is_within_tolerance_of_measured_peaks():
     and float32 on CPU, on a shape the activation coefficients were not fitted on: within
     -15%/+50% (measured when written: x1.11-1.32, the estimate errs high).
     """
-    from branchgym.agents.forward import packed_forward
     from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    from branchgym.agents.forward import packed_forward
 
     config = Qwen2Config(
         vocab_size=1536,

@@ -2,9 +2,9 @@
 
 import pytest
 import torch
+
 from branchgym.agents import losses as L
 from branchgym.agents import pbr
-
 from branchgym.error import LossInputError
 
 EOS, THINK_CLOSE = 0, 9

@@ -4,6 +4,7 @@ import math
 
 import numpy as np
 import pytest
+
 from branchgym.agents.policy import (
     ActRequest,
     Context,

@@ -38,7 +38,6 @@ from branchgym.agents.run import (  # noqa: E402
 )
 from branchgym.agents.scoring import ScoringPolicy, trie_logprobs  # noqa: E402
 from branchgym.agents.train import LEARNERS, make_args, train  # noqa: E402
-
 from branchgym.cli import main as cli_main  # noqa: E402
 from branchgym.error import (  # noqa: E402
     CheckpointError,
@@ -46,12 +45,12 @@ from branchgym.error import (  # noqa: E402
     TrainingConfigError,
     UnknownEnvError,
 )
-from branchgym.executors import EnvSpec  # noqa: E402
+from branchgym.executors import EnvRecipe  # noqa: E402
 from branchgym.rollout import group_rollouts, grow_tree  # noqa: E402
 from branchgym.tree import RolloutTree  # noqa: E402
 
 ENV_KWARGS = {"depth": 3, "n_actions": 3, "reward_kind": "bernoulli", "structure_seed": 2}
-SPEC = EnvSpec("branchgym/TextTreeMDP-v0", ENV_KWARGS)
+SPEC = EnvRecipe("branchgym/TextTreeMDP-v0", ENV_KWARGS)
 TINY = {
     "env_kwargs": ENV_KWARGS,
     "prompts_per_step": 2,
@@ -393,7 +392,7 @@ def test_recomputed_logprobs_equal_the_behaviour_logprobs(
         if kind == "scoring"
         else LLMPolicy(tiny_engine, max_new_tokens=8)
     )
-    spec = EnvSpec(SPEC.id, {**ENV_KWARGS, "max_episode_steps": 4})
+    spec = EnvRecipe(SPEC.id, {**ENV_KWARGS, "max_episode_steps": 4})
     tree = grow_tree(
         spec, pol, "entropy", m=2, k=3, seed=1, rng=1, schedule_options={"gap_unit": "steps"}
     )

@@ -32,7 +32,6 @@ from branchgym.agents.options import args_from_dict  # noqa: E402
 from branchgym.agents.rows import Batch, Decision, Row  # noqa: E402
 from branchgym.agents.train import train  # noqa: E402
 from branchgym.agents.vllm_training import shared_worker, worker_model_folder  # noqa: E402
-
 from branchgym.error import DependencyMissingError, EngineError, TrainingConfigError  # noqa: E402
 from branchgym.policy import Context  # noqa: E402
 

@@ -28,8 +28,8 @@ def test_bench_learners_quick(tmp_path, capsys):
 
 def test_the_variant_runs_are_valid_learner_options_and_the_long_maze_evaluates_exactly():
     import gymnasium as gym
-    from branchgym.agents.train import make_args
 
+    from branchgym.agents.train import make_args
     from branchgym.bench.all_learners import MAZES, VARIANTS
 
     for label, (algo, options) in VARIANTS.items():

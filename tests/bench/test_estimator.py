@@ -212,7 +212,6 @@ def _learner_gradient_ratio(prompts, seed, **options):
     """The learner's own advantages (grow_tree + prompt_advantages) as a tabular gradient."""
     from branchgym.agents import bpo
     from branchgym.agents.policy import TabularPolicy
-
     from branchgym.executors import EnvRecipe
     from branchgym.rollout import grow_tree
 
@@ -270,7 +269,6 @@ def test_learner_variant_advantages_give_the_exact_gradient_in_mean(options):
 
 def test_learner_options_validate():
     from branchgym.agents import bpo
-
     from branchgym.error import TrainingConfigError as ConfigError
 
     bpo.Args().check()  # the spec's defaults

@@ -16,7 +16,6 @@ from branchgym.agents.gradient_probe import (  # noqa: E402
     surrogate_gradient,
 )
 from branchgym.agents.rows import WEIGHTS, Batch, Decision, Row  # noqa: E402
-
 from branchgym.cli import main  # noqa: E402
 
 # ------------------------------------------------------------ the surrogate gradient

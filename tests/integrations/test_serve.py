@@ -17,7 +17,6 @@ pytest.importorskip("openenv")
 pytest.importorskip("websockets")
 
 from branchgym.agents.policy import TextPolicy  # noqa: E402
-
 from branchgym.checker import check_env  # noqa: E402
 from branchgym.error import (  # noqa: E402
     ForeignSnapshotError,

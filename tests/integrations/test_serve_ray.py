@@ -6,7 +6,6 @@ pytest.importorskip("openenv")
 ray = pytest.importorskip("ray")
 
 from branchgym.agents.policy import TextPolicy  # noqa: E402
-
 from branchgym.executors import EnvRecipe  # noqa: E402
 from branchgym.remote_executor import FleetExecutor  # noqa: E402
 from branchgym.rollout import grow_tree  # noqa: E402

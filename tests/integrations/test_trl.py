@@ -22,7 +22,6 @@ from branchgym.agents.policy import LLMPolicy, admissible_actions  # noqa: E402
 from branchgym.agents.prompts import ParsedAction, TextTreePrompt, WebShopPrompt  # noqa: E402
 from branchgym.agents.rows import WEIGHTS, Batch, token_weight  # noqa: E402
 from branchgym.agents.run import Run  # noqa: E402
-
 from branchgym.error import (  # noqa: E402
     DependencyMissingError,
     IntegrationError,

@@ -5,6 +5,10 @@ import os
 
 import gymnasium as gym
 import pytest
+
+import branchgym
+from branchgym.checker import ActionChooser
+from branchgym.cli import main
 from branchgym.scenarios import (
     BENIGN,
     MUST_DETECT,
@@ -15,10 +19,6 @@ from branchgym.scenarios import (
     scenario,
 )
 from branchgym.scenarios.matrix import Cell, Row, render_matrix, run_matrix
-
-import branchgym
-from branchgym.checker import ActionChooser
-from branchgym.cli import main
 
 #: The faults issue #3 lists, by the name the catalogue gives them.
 ISSUE_MUST_DETECT = {

@@ -5,10 +5,6 @@ import warnings
 
 import gymnasium as gym
 import pytest
-from branchgym.scenarios import SCENARIOS
-from branchgym.scenarios.matrix import branching_workload
-from branchgym.wrappers import FidelityCheck, Violation
-from branchgym.wrappers.fidelity import META_KEY
 
 import branchgym
 from branchgym.envs.toy import TreeMDP
@@ -18,6 +14,10 @@ from branchgym.error import (
     FidelityWarning,
     ResetNeededError,
 )
+from branchgym.scenarios import SCENARIOS
+from branchgym.scenarios.matrix import branching_workload
+from branchgym.wrappers import FidelityCheck, Violation
+from branchgym.wrappers.fidelity import META_KEY
 
 TEXT = "branchgym/TextTreeMDP-v0"
 TREE = "branchgym/TreeMDP-v0"

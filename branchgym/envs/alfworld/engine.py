@@ -447,7 +447,6 @@ def fact_data(prop: Any) -> Fact:
     return (prop.name, tuple((v.name, v.type) for v in prop.arguments))
 
 
-_fact_data = fact_data  # former private name
 
 
 def _proposition(fact: Fact) -> Any:

@@ -8,8 +8,8 @@ a plausible *wrong* fix (it passes some new tests but not all, or breaks an old 
 so graders are tested against near misses as well as against an empty patch, and a
 one-line ``fix_command`` that applies the gold fix from a shell, for scripted agents.
 
-The sources are data files in ``generated_repos/`` (one folder per task: the repository
-at its base commit, the test patch's files, the issue and the fixes; see
+The sources are data files in ``data/swebench-generated/`` (one folder per task: the
+repository at its base commit, the test patch's files, the issue and the fixes; see
 :data:`DATA_DIR`); :func:`build_generated_tasks` turns them into repos with deterministic
 commits (fixed author and dates), so ``base_commit`` is the same on every machine.
 """
@@ -31,6 +31,7 @@ from branchgym.envs.swebench.tasks import DEFAULT_TEST_CMD, SWEBenchTask, cache_
 from branchgym.error import DataError
 
 __all__ = [
+    "SHIPPED_DATA",
     "DATA_DIR",
     "TaskDef",
     "TASK_DEFS",
@@ -108,11 +109,18 @@ class TaskDef:
         return "cd /testbed && python3 -c " + shlex.quote(code)
 
 
+_PACKAGE = Path(__file__).resolve().parents[2]  # branchgym/
+#: The shipped data: the checkout's top-level ``data/``, which the wheel installs as
+#: ``branchgym/data/`` (pyproject's package-dir maps one onto the other).
+SHIPPED_DATA = next(
+    (p for p in (_PACKAGE / "data", _PACKAGE.parent / "data") if p.is_dir()), _PACKAGE / "data"
+)
+
 #: The task sources, one folder each: ``issue.md``, ``base/`` (the repository at its base
 #: commit), ``test_patch/`` (the test files the task's tests become) and ``task.json``
 #: (the gold and wrong fixes as ``[path, old, new]`` replacements, FAIL_TO_PASS and
 #: PASS_TO_PASS); ``tasks.json`` gives their order.
-DATA_DIR = Path(__file__).with_name("generated_repos")
+DATA_DIR = SHIPPED_DATA / "swebench-generated"
 
 
 def _read_tree(folder: Path) -> dict[str, str]:
@@ -306,7 +314,7 @@ def generated_repos() -> Path:
 #: :func:`file_edits`), ``issue.md`` and ``task.json`` (gold and wrong
 #: fixes as ``[path, old, new]`` replacements, the test files, FAIL_TO_PASS and
 #: PASS_TO_PASS as computed by running the suite); ``tasks.json`` gives their order.
-REALISTIC_DIR = Path(__file__).with_name("realistic_repos")
+REALISTIC_DIR = SHIPPED_DATA / "swebench-realistic"
 
 #: How the realistic tasks run their tests (upstream's pytest command; test files appended).
 REALISTIC_TEST_CMD = f"PYTEST_DISABLE_PLUGIN_AUTOLOAD=1 {DEFAULT_TEST_CMD}"

@@ -9,12 +9,12 @@ import time
 import cloudpickle
 import gymnasium as gym
 import pytest
-from branchgym.agents.policy import TextPolicy
 
 import branchgym
+from branchgym.agents.policy import TextPolicy
 from branchgym.envs.swebench.local import list_local_mounts, wait_for_cleanup, work_root
 from branchgym.error import SandboxError
-from branchgym.executors import EnvSpec, InProcessExecutor, ProcessExecutor, ThreadExecutor
+from branchgym.executors import EnvRecipe, InProcessExecutor, ProcessExecutor, ThreadExecutor
 from branchgym.rollout import grow_tree
 
 cloudpickle.register_pickle_by_value(sys.modules[__name__])
@@ -49,7 +49,7 @@ def faulty_swebench(backend, fail_restore=False):
 
 def spec(backend, **kw):
     name = f"faulty-swebench-{backend}-{kw}"
-    return EnvSpec(name, factory=lambda: faulty_swebench(backend, **kw))
+    return EnvRecipe(name, factory=lambda: faulty_swebench(backend, **kw))
 
 
 def _sandbox_dirs():

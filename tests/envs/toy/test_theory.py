@@ -17,8 +17,8 @@ import math
 import numpy as np
 import pytest
 import torch
-from branchgym.agents import losses as L
 
+from branchgym.agents import losses as L
 from branchgym.envs.toy import TreeMDP, TreeStructure
 from branchgym.envs.toy import theory as th
 

@@ -15,9 +15,6 @@ import hydra
 import numpy as np
 import pytest
 import torch
-from branchgym.agents import bpo
-from branchgym.agents.models import tiny_tokenizer
-from branchgym.agents.rows import Batch
 from omegaconf import OmegaConf
 from verl.experimental.agent_loop.agent_loop import (
     DictConfigWrap,
@@ -30,6 +27,9 @@ from verl.trainer.ppo.ray_trainer import compute_advantage
 from verl.trainer.ppo.reward import extract_reward
 from verl.workers.rollout.replica import TokenOutput
 
+from branchgym.agents import bpo
+from branchgym.agents.models import tiny_tokenizer
+from branchgym.agents.rows import Batch
 from branchgym.error import TrainingConfigError
 from branchgym.integrations import verl as bv
 
