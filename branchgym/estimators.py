@@ -66,7 +66,7 @@ __all__ = [
 
 SCHEDULES = ("entropy", "random", "even", "root_even", "last", "fixed")
 CREDITS = ("lambda", "root", "value_diff")
-NORMS = ("traj", "depth")
+NORMS = ("traj", "depth", "backbone")
 
 
 # ------------------------------------------------------------------------- trees
@@ -74,7 +74,11 @@ NORMS = ("traj", "depth")
 
 @dataclasses.dataclass(frozen=True, eq=False)
 class TreeArrays:
-    """A TreeStructure prepared for vectorised sampling and exact passes."""
+    """A TreeStructure prepared for vectorised sampling and exact passes.
+
+    Leaves may sit at any depth (episodes of variable length): ``inner[t]`` lists the
+    decision states at depth ``t``, ``levels[t]`` every node there.
+    """
 
     tree: TreeStructure
     depth: int
@@ -82,18 +86,24 @@ class TreeArrays:
     cum_probs: np.ndarray  # (n_nodes, A, O) cumulative outcome probabilities
     r1: np.ndarray  # E[reward] at leaves
     r2: np.ndarray  # E[reward^2] at leaves
+    leaf: np.ndarray  # (n_nodes,) bool
+    inner: tuple[np.ndarray, ...]  # decision states at each depth 0..D-1
 
     @classmethod
     def of(cls, tree: TreeStructure) -> TreeArrays:
-        """Check every leaf sits at the maximum depth and precompute the arrays."""
+        """Precompute the arrays (any tree of :class:`TreeStructure`, full or not)."""
         d = tree.max_depth
         leaf = tree.children[:, 0, 0] < 0
-        if np.any(tree.depth[leaf] != d):
-            raise ValueError("estimators need every leaf at the same depth (a full tree).")
         levels = tuple(np.flatnonzero(tree.depth == t) for t in range(d + 1))
+        inner = tuple(np.flatnonzero((tree.depth == t) & ~leaf) for t in range(d))
         r1 = tree.reward_mean
         r2 = r1 if tree.reward_kind == "bernoulli" else r1**2 + tree.reward_std**2
-        return cls(tree, d, levels, np.cumsum(tree.probs, axis=-1), r1, r2)
+        return cls(tree, d, levels, np.cumsum(tree.probs, axis=-1), r1, r2, leaf, inner)
+
+    @property
+    def variable_length(self) -> bool:
+        """Whether some episode ends before the last level."""
+        return bool(np.any(self.tree.depth[self.leaf] < self.depth))
 
     @property
     def n_nodes(self) -> int:
@@ -140,7 +150,7 @@ def exact(arr: TreeArrays, pi: np.ndarray) -> Exact:
     v2 = np.zeros(n)
     q = np.zeros((n, a_n))
     for d in range(arr.depth - 1, -1, -1):
-        s = arr.levels[d]
+        s = arr.inner[d]
         c = t.children[s]
         g1 = arr.r1[c] + v[c]
         g2 = arr.r2[c] + 2 * arr.r1[c] * v[c] + v2[c]
@@ -148,18 +158,15 @@ def exact(arr: TreeArrays, pi: np.ndarray) -> Exact:
         q2 = np.sum(t.probs[s] * g2, axis=-1)
         v[s] = np.sum(pi[s] * q[s], axis=-1)
         v2[s] = np.sum(pi[s] * q2, axis=-1)
-    leaf = arr.levels[arr.depth]
-    v_leaf_var = np.zeros(n)
-    v_leaf_var[leaf] = arr.r2[leaf] - arr.r1[leaf] ** 2
-    var = np.where(t.depth == arr.depth, v_leaf_var, np.maximum(v2 - v**2, 0.0))
+    var = np.where(arr.leaf, arr.r2 - arr.r1**2, np.maximum(v2 - v**2, 0.0))
     reach = np.zeros(n)
     reach[0] = 1.0
     for d in range(arr.depth):
-        s = arr.levels[d]
+        s = arr.inner[d]
         flow = reach[s][:, None, None] * pi[s][:, :, None] * t.probs[s]
         np.add.at(reach, t.children[s].reshape(-1), flow.reshape(-1))
     grad = reach[:, None] * pi * (q - v[:, None])
-    grad[t.depth == arr.depth] = 0.0
+    grad[arr.leaf] = 0.0
     return Exact(reach, v, q, var, grad)
 
 
@@ -173,7 +180,7 @@ def exact_j(arr: TreeArrays, pis: np.ndarray) -> np.ndarray:
     t = arr.tree
     v = np.zeros((pis.shape[0], arr.n_nodes))
     for d in range(arr.depth - 1, -1, -1):
-        s = arr.levels[d]
+        s = arr.inner[d]
         c = t.children[s]
         q = np.sum(t.probs[s][None] * (arr.r1[c][None] + v[:, c]), axis=-1)
         v[:, s] = np.sum(pis[:, s] * q, axis=-1)
@@ -216,7 +223,7 @@ def optimal_j(arr: TreeArrays) -> float:
     t = arr.tree
     v = np.zeros(arr.n_nodes)
     for d in range(arr.depth - 1, -1, -1):
-        s = arr.levels[d]
+        s = arr.inner[d]
         c = t.children[s]
         v[s] = np.max(np.sum(t.probs[s] * (arr.r1[c] + v[c]), axis=-1), axis=-1)
     return float(v[0])
@@ -319,10 +326,12 @@ def _rollouts(
     start: np.ndarray,
     rng: np.random.Generator,
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Continue rows from ``states[:, start]`` to the leaves under policy ``pis[pol]``.
+    """Continue rows from ``states[:, start]`` to a leaf under policy ``pis[pol]``.
 
     ``states`` is ``(n, D + 1)`` with each row's prefix filled up to ``start``; returns
-    ``(states, actions (n, D), returns (n,))``, actions before ``start`` are -1.
+    ``(states, actions (n, D), returns (n,))``. Actions before ``start`` and after the
+    episode ended are -1; a row that reached a leaf stays there (``states[:, D]`` is
+    every row's leaf).
     """
     t = arr.tree
     n, d = states.shape[0], arr.depth
@@ -330,7 +339,9 @@ def _rollouts(
     a_n = arr.n_actions
     flat_pi = pis.reshape(-1, a_n)
     for step in range(d):
-        rows = np.flatnonzero(start <= step)
+        going = start <= step
+        states[going, step + 1] = states[going, step]  # ended rows stay at their leaf
+        rows = np.flatnonzero(going & ~arr.leaf[states[:, step]])
         if rows.size == 0:
             continue
         s = states[rows, step]
@@ -355,7 +366,8 @@ class Pairs:
     """Counted (state, action) pairs of a batch of repeats, with their weights.
 
     ``grad = sum w (e_a - pi(s))`` per repeat; ``pre`` marks backbone decisions above the
-    first branch point; ``steps`` is each repeat's env steps.
+    first branch point; ``steps`` is each repeat's env steps; ``counts`` each repeat's
+    lines, decisions and decisions along every line's whole path (for token costs).
     """
 
     rep: np.ndarray
@@ -364,6 +376,7 @@ class Pairs:
     w: np.ndarray
     pre: np.ndarray
     steps: np.ndarray
+    counts: np.ndarray | None = None  # (reps, 3): lines, decisions, path decisions
 
 
 def _entropy(pis: np.ndarray, pol: np.ndarray, states: np.ndarray, n_nodes: int) -> np.ndarray:
@@ -371,20 +384,35 @@ def _entropy(pis: np.ndarray, pol: np.ndarray, states: np.ndarray, n_nodes: int)
     return -np.sum(np.where(p > 0, p * np.log(np.where(p > 0, p, 1.0)), 0.0), axis=-1)
 
 
-def _pick(design: Design, h: np.ndarray, rng: np.random.Generator, depth: int) -> np.ndarray:
-    """Branch depths ``(rows, M)`` sorted; ``h`` the backbones' entropies ``(rows, D)``."""
-    rows = h.shape[0]
-    fixed = schedule_depths(design, depth)
-    if fixed is not None:
-        return np.tile(np.asarray(fixed, dtype=np.int64), (rows, 1))
-    tie = rng.random(h.shape)
-    if design.schedule == "entropy":  # top-M by H_t (min gap 1 step), ties at random
-        perm = np.argsort(tie, axis=1)
-        hp = np.take_along_axis(np.round(-h, 12), perm, axis=1)
-        order = np.take_along_axis(perm, np.argsort(hp, axis=1, kind="stable"), axis=1)
-    else:  # random: M distinct steps uniformly
-        order = np.argsort(tie, axis=1)
-    return np.sort(order[:, : design.m], axis=1)
+def _pick(
+    design: Design, h: np.ndarray, rng: np.random.Generator, lengths: np.ndarray
+) -> tuple[np.ndarray, np.ndarray]:
+    """Branch depths ``(rows, M)`` sorted, and which of them exist.
+
+    ``h`` is the backbones' entropies ``(rows, D)``, ``lengths`` their decisions. A point
+    a backbone does not reach (the ``fixed`` depths below its end, or fewer decisions
+    than M) does not exist: its depth is set to D and its mask to False.
+    """
+    rows, d = h.shape
+    alive = np.arange(d)[None, :] < lengths[:, None]
+    if design.schedule in ("entropy", "random"):
+        tie = rng.random(h.shape)
+        if design.schedule == "entropy":  # top-M by H_t (min gap 1 step), ties at random
+            perm = np.argsort(tie, axis=1)
+            key = np.where(alive, np.round(-h, 12), np.inf)
+            hp = np.take_along_axis(key, perm, axis=1)
+            order = np.take_along_axis(perm, np.argsort(hp, axis=1, kind="stable"), axis=1)
+        else:  # random: M distinct decisions uniformly
+            order = np.argsort(np.where(alive, tie, 2.0), axis=1)
+        picked = np.sort(order[:, : design.m], axis=1)
+    else:  # the schedules of schedule_depths, per backbone length
+        picked = np.full((rows, design.m), d, dtype=np.int64)
+        for length in np.unique(lengths):
+            sel = lengths == length
+            got = [u for u in (schedule_depths(design, int(length)) or []) if u < length]
+            picked[np.ix_(sel, np.arange(len(got)))] = got
+    valid = picked < lengths[:, None]
+    return np.where(valid, picked, d), valid
 
 
 def _loo(x: np.ndarray) -> np.ndarray:
@@ -403,6 +431,7 @@ def sample_pairs(
     """Sample one prompt's rollouts per repeat (policy ``pis[pol[r]]``); weight the pairs."""
     d = arr.depth
     reps = pol.size
+    steps_t = np.arange(d)[None, :]
     if design.kind != "tree":
         n = design.n
         rows_pol = np.repeat(pol, n)
@@ -415,15 +444,18 @@ def sample_pairs(
             c = g - g.mean(axis=1, keepdims=True)
             std = np.sqrt((c**2).sum(axis=1, keepdims=True) / (n - 1))
             adv = np.where(std > 0, c / (std + 1e-6), 0.0)
+        live = (ac >= 0).reshape(-1)
         w = np.repeat(adv.reshape(-1) / n, d)
         rep = np.repeat(np.arange(reps), n * d)
+        tokens = _tokens(ac >= 0, np.zeros(reps * n, np.int64), np.repeat(np.arange(reps), n), reps)
         return Pairs(
-            rep,
-            st[:, :d].reshape(-1),
-            ac.reshape(-1),
-            w,
-            np.zeros(w.size, bool),
-            np.full(reps, n * d, dtype=np.int64),
+            rep[live],
+            st[:, :d].reshape(-1)[live],
+            ac.reshape(-1)[live],
+            w[live],
+            np.zeros(int(live.sum()), bool),
+            (ac >= 0).reshape(reps, n * d).sum(axis=1),
+            tokens,
         )
     gb, m, k = design.g, design.m, design.k
     nb = reps * gb
@@ -431,8 +463,10 @@ def sample_pairs(
     bst, bac, bret = _rollouts(
         arr, pis, bpol, np.zeros((nb, d + 1), np.int64), np.zeros(nb, np.int64), rng
     )
-    bps = _pick(design, _entropy(pis, bpol, bst[:, :d], arr.n_nodes), rng, d)  # (nb, M)
-    # fresh siblings: (nb, M, K-1)
+    balive = bac >= 0  # (nb, D): the backbone decides at t
+    h = _entropy(pis, bpol, bst[:, :d], arr.n_nodes)
+    bps, bval = _pick(design, h, rng, balive.sum(axis=1))  # (nb, M)
+    # fresh siblings: (nb, M, K-1); a point that does not exist starts at D (no decisions)
     sst = np.repeat(bst, m * (k - 1), axis=0)
     sstart = np.repeat(bps.reshape(-1), k - 1)
     spol = np.repeat(bpol, m * (k - 1))
@@ -442,63 +476,96 @@ def sample_pairs(
     local = allg - _loo(allg)  # eq. 4
     fresh_base = sret.mean(axis=2)  # (nb, M): baseline from the K-1 fresh siblings
     vhat = allg.mean(axis=2)  # (nb, M)
-    steps_t = np.arange(d)[None, :]
+    n_valid = bval.sum(axis=1)
+    # latest existing branch point at or above each step (-1: none, the prefix); points
+    # that do not exist sit at D, below every decision
+    idx = (bps[:, None, :] <= steps_t[:, :, None]).sum(axis=2) - 1  # (nb, D)
     # ---- backbone credit (nb, D)
     if design.credit == "lambda":
         cred = np.zeros((nb, d))
         for j in range(m):
             b = bps[:, j : j + 1]
             gap = b - steps_t
-            cred += np.where(gap >= 0, design.lam ** np.maximum(gap, 0), 0.0) * local[:, j, :1]
-        last = bps[:, -1:]
-        cred = np.where(steps_t > last, local[:, -1, :1], cred)
+            on = (gap >= 0) & bval[:, j : j + 1]
+            cred += np.where(on, design.lam ** np.maximum(gap, 0), 0.0) * local[:, j, :1]
+        last_j = np.maximum(n_valid - 1, 0)
+        last_b = np.where(n_valid > 0, np.take_along_axis(bps, last_j[:, None], axis=1)[:, 0], d)
+        last_a = np.take_along_axis(local[:, :, 0], last_j[:, None], axis=1)
+        cred = np.where(steps_t > last_b[:, None], last_a, cred)
     else:
-        # latest branch point at or above each step (-1: none, the prefix)
-        idx = (bps[:, None, :] <= steps_t[:, :, None]).sum(axis=2) - 1  # (nb, D)
+        # the prefix's value: the first point's sibling mean, or the return if none exists
+        x_v = np.where(bval[:, 0], vhat[:, 0], bret)
         if gb >= 2:
             gr = bret.reshape(reps, gb)
-            vr = vhat[:, 0].reshape(reps, gb)
+            vr = x_v.reshape(reps, gb)
             root_g = (gr - _loo(gr)).reshape(-1)
             root_v = (vr - _loo(vr)).reshape(-1)
         else:
             root_g = bret.copy()
-            root_v = vhat[:, 0].copy()
+            root_v = x_v.copy()
         if design.credit == "root":
             at = np.take_along_axis(local[:, :, 0], np.maximum(idx, 0), axis=1)
             cred = np.where(idx < 0, root_g[:, None], at)
-        else:  # value_diff
+        else:  # value_diff: next point's sibling mean if the line reaches it, else its return
             nxt = np.minimum(idx + 1, m - 1)
             v_next = np.take_along_axis(vhat, nxt, axis=1)
+            has_next = (idx + 1 < m) & np.take_along_axis(bval, nxt, axis=1)
             base = np.take_along_axis(fresh_base, np.maximum(idx, 0), axis=1)
-            mid = np.where(idx + 1 < m, v_next - base, bret[:, None] - base)
+            mid = np.where(has_next, v_next, bret[:, None]) - base
             cred = np.where(idx < 0, root_v[:, None], mid)
     if design.backbone == "exclude":
         cred = np.zeros_like(cred)
     pre = steps_t < bps[:, :1]
-    # ---- pair counts per depth (nb lines -> per repeat)
+    # ---- weights
     scred = local[:, :, 1:].reshape(-1)  # (ns,) every fresh line's advantage
-    smask = steps_t >= sstart[:, None]  # (ns, D)
+    salive = sac >= 0  # (ns, D)
     if design.norm == "traj":
         bw = cred / design.rollouts
-        sw = np.where(smask, scred[:, None] / design.rollouts, 0.0)
-    else:
-        lines = 1 + (k - 1) * (bps[:, None, :] <= steps_t[:, :, None]).sum(axis=2)  # (nb, D)
-        lines_rep = lines.reshape(reps, gb, d).sum(axis=1)  # (reps, D)
+        sw = scred[:, None] / design.rollouts + np.zeros(salive.shape)
+    elif design.norm == "depth":  # the realised number of decisions at each depth
+        lines = balive.astype(np.int64) + salive.reshape(nb, m * (k - 1), d).sum(axis=1)
+        lines_rep = np.maximum(lines.reshape(reps, gb, d).sum(axis=1), 1)  # (reps, D)
         bw = cred / np.repeat(lines_rep, gb, axis=0)
-        srep_lines = np.repeat(lines_rep, gb * m * (k - 1), axis=0)
-        sw = np.where(smask, scred[:, None] / srep_lines, 0.0)
+        sw = scred[:, None] / np.repeat(lines_rep, gb * m * (k - 1), axis=0)
+    else:  # backbone: 1 / (G c_i(t)), c_i(t) the lines of backbone i's tree crossing t
+        c = 1 + (k - 1) * (idx + 1)  # (nb, D); existing points at or above t
+        bw = cred / (gb * c)
+        sw = scred[:, None] / np.repeat(gb * c, m * (k - 1), axis=0)
     brep = np.repeat(np.arange(reps), gb)
     srep = np.repeat(brep, m * (k - 1))
-    keep = smask
-    steps = (np.full(nb, d) + (d - bps).sum(axis=1) * (k - 1)).reshape(reps, gb).sum(axis=1)
+    bkeep = balive
+    keep = salive
+    # lines: every backbone and every fresh line of an existing point (planned ones that
+    # do not exist cost nothing)
+    line_start = np.concatenate([np.zeros(nb, np.int64), sstart])
+    line_alive = np.concatenate([balive, salive])
+    line_rep = np.concatenate([brep, srep])
+    exists = np.concatenate([np.ones(nb, bool), np.repeat(bval.reshape(-1), k - 1)])
+    tokens = _tokens(line_alive[exists], line_start[exists], line_rep[exists], reps)
     return Pairs(
-        np.concatenate([np.repeat(brep, d), np.repeat(srep, d)[keep.reshape(-1)]]),
-        np.concatenate([bst[:, :d].reshape(-1), sst[:, :d][keep]]),
-        np.concatenate([bac.reshape(-1), sac[keep]]),
-        np.concatenate([bw.reshape(-1), sw[keep]]),
-        np.concatenate([pre.reshape(-1), np.zeros(int(keep.sum()), bool)]),
-        steps,
+        np.concatenate(
+            [np.repeat(brep, d)[bkeep.reshape(-1)], np.repeat(srep, d)[keep.reshape(-1)]]
+        ),
+        np.concatenate([bst[:, :d][bkeep], sst[:, :d][keep]]),
+        np.concatenate([bac[bkeep], sac[keep]]),
+        np.concatenate([bw[bkeep], sw[keep]]),
+        np.concatenate([pre[bkeep], np.zeros(int(keep.sum()), bool)]),
+        np.bincount(line_rep, weights=line_alive.sum(axis=1), minlength=reps).astype(np.int64),
+        tokens,
     )
+
+
+def _tokens(alive: np.ndarray, start: np.ndarray, rep: np.ndarray, reps: int) -> np.ndarray:
+    """Per repeat ``(lines, decisions, path decisions)``: the counts the token costs need.
+
+    ``decisions`` are the decisions taken (each once: a shared prefix is not re-run);
+    ``path decisions`` add, for every line, the decisions of the prefix it shares with
+    the backbone (``start``), which an update without prefix sharing reads again.
+    """
+    own = alive.sum(axis=1)
+    out = np.zeros((reps, 3))
+    np.add.at(out, rep, np.stack([np.ones(own.size), own, own + start], axis=1))
+    return out
 
 
 # ------------------------------------------------------------------------- measuring
@@ -524,6 +591,7 @@ class Measurement:
     sq_pre: float
     steps: float
     depth_of: np.ndarray
+    counts: np.ndarray = dataclasses.field(default_factory=lambda: np.zeros(3))
 
     def _stats(self, mean: np.ndarray, truth: np.ndarray, sq: float, cross: float) -> dict:
         t2 = float(np.sum(truth**2))
@@ -609,6 +677,7 @@ def measure(
     sq_d = np.zeros(d)
     cross_d = np.zeros(d)
     steps = 0.0
+    counts = np.zeros(3)
     pis = pi[None]
     done = 0
     while done < repeats:
@@ -631,6 +700,7 @@ def measure(
             np.add.at(total_pre, ps, prow)
             sq_pre += float(np.sum(prow**2))
         steps += float(pairs.steps.sum())
+        counts += pairs.counts.sum(axis=0)
         done += n
     return Measurement(
         repeats,
@@ -644,6 +714,7 @@ def measure(
         sq_pre / repeats,
         steps / repeats,
         depth_of,
+        counts / repeats,
     )
 
 
