@@ -26,11 +26,18 @@ Estimators (:class:`Design`, docs/estimators.md derives each one):
   decisions between two branch points get the mean of the K sibling returns at the next
   point minus the baseline at the previous one). ``backbone="exclude"`` leaves the
   backbone's own actions out of the comparison (they only serve in the fresh siblings'
-  baselines). ``norm="traj"`` divides by the number of leaves N (spec, RLOO); ``norm="depth"``
-  averages the pairs at each depth, which makes the estimator's mean exactly ``g*``
-  when the schedule does not look at the sampled trajectory.
+  baselines). ``norm="traj"`` divides by the number of leaves N (spec, RLOO);
+  ``norm="depth"`` averages the pairs at each depth by their realised count (exact when
+  every episode has the same length and the schedule does not look at the sampled
+  trajectory; biased otherwise); ``norm="backbone"`` weights a pair by
+  ``1 / (G c_i(t))``, ``c_i(t)`` the lines of its own backbone's tree that cross its
+  depth, which no line's length changes: exact on any lengths with a schedule decided
+  before the actions it conditions on (``fixed`` depths, branching where the line is
+  alive). docs/estimators.md derives all three.
 
-Trees must have every leaf at the same depth (as :meth:`TreeStructure.random` builds).
+Leaves may sit at any depth (``TreeStructure.random(end_actions=, termination_prob=)``):
+an episode that ended stays at its leaf, takes no more decisions and costs no more steps;
+a branch point a line does not reach does not exist.
 
 The module is over 600 lines: the exact passes, the vectorised sampler of every design and
 the moment accumulation share one array layout, and are read and tested together.
@@ -243,7 +250,9 @@ class Design:
         m: Branch points per backbone.
         k: Siblings per branch point, the backbone's action included.
         schedule: One of :data:`SCHEDULES`.
-        depths: Branch depths of the ``fixed`` schedule.
+        depths: Branch depths of the ``fixed`` schedule, decided before sampling; a
+            negative one counts from the tree's depth D (``-1``: the last decision of
+            the horizon). A line that ended before a depth does not branch there.
         lam: lambda of eq. 5 (``credit="lambda"``).
         credit: One of :data:`CREDITS`.
         backbone: ``include`` (spec) or ``exclude`` (the backbone's own actions get no
@@ -293,11 +302,15 @@ def schedule_depths(design: Design, depth: int) -> list[int] | None:
 
     ``even`` is :func:`branchgym.schedules.even_schedule` on a backbone of ``depth`` steps;
     ``root_even`` is the root plus ``even`` with M - 1 points; ``last`` the last M
-    decisions. ``None`` for ``entropy`` and ``random``, whose points differ per backbone.
+    decisions; ``fixed`` its depths (negative ones from ``depth``). ``None`` for
+    ``entropy`` and ``random``, whose points differ per backbone. On variable lengths the
+    sampler calls it with each backbone's own length (as the learner's schedules see it),
+    except for ``fixed``, whose depths count from the horizon.
     """
 
     def even(m: int) -> list[int]:
         steps: list[int] = []
+        m = min(m, depth)  # a short backbone has fewer points (schedules._check_m)
         for i in range(1, m + 1):
             t = min(depth - 1, int(round(i * depth / (m + 1))))
             free = [u for u in range(depth) if u not in steps]
@@ -311,7 +324,7 @@ def schedule_depths(design: Design, depth: int) -> list[int] | None:
     if design.schedule == "last":
         return list(range(max(0, depth - design.m), depth))
     if design.schedule == "fixed":
-        return sorted(int(u) for u in design.depths)
+        return sorted(int(u) if u >= 0 else depth + int(u) for u in design.depths)
     return None
 
 
@@ -405,6 +418,9 @@ def _pick(
         else:  # random: M distinct decisions uniformly
             order = np.argsort(np.where(alive, tie, 2.0), axis=1)
         picked = np.sort(order[:, : design.m], axis=1)
+    elif design.schedule == "fixed":  # decided in advance; negative depths from the horizon
+        got = sorted(int(u) if u >= 0 else d + int(u) for u in design.depths)
+        picked = np.tile(np.asarray(got, dtype=np.int64), (rows, 1))
     else:  # the schedules of schedule_depths, per backbone length
         picked = np.full((rows, design.m), d, dtype=np.int64)
         for length in np.unique(lengths):
@@ -599,10 +615,15 @@ class Measurement:
         cov = max(sq - m2, 0.0)
         cos = float(np.sum(mean * truth) / np.sqrt(max(m2 * t2, 1e-300)))
         best = 1.0 - cross**2 / max(sq * t2, 1e-300)
-        bias2 = max(float(np.sum((mean - truth) ** 2)) - cov / self.repeats, 0.0)
+        err2 = float(np.sum((mean - truth) ** 2))
+        bias2 = max(err2 - cov / self.repeats, 0.0)
         return {
             "cosine": cos,
+            # |mean - g*| in standard errors of the mean: about 1 when unbiased
+            "bias_se": float(np.sqrt(err2 / max(cov / self.repeats, 1e-300))),
+            "projection": float(np.sum(mean * truth)) / max(t2, 1e-300),
             "noise_to_signal": cov / max(m2, 1e-300),
+            "noise_to_truth": cov / max(t2, 1e-300),
             "rel_mse": (sq - 2 * cross + t2) / max(t2, 1e-300),
             "rel_mse_best_scale": best,
             "rel_bias2": bias2 / max(t2, 1e-300),
@@ -613,15 +634,21 @@ class Measurement:
     def summary(self) -> dict[str, Any]:
         """Overall figures, by depth and for the prefix.
 
-        Cosine of ``E g`` to ``g*``, noise-to-signal ``tr Cov / |E g|^2``, relative MSE
+        Cosine of ``E g`` to ``g*``; ``bias_se``: ``|mean - g*|`` over the mean's standard
+        error ``sqrt(tr Cov / R)`` (about 1 for an unbiased estimator, growing as
+        ``sqrt(R)`` for a biased one: the bias test); ``projection``: ``<E g, g*> / |g*|^2``;
+        noise-to-signal ``tr Cov / |E g|^2`` and ``noise_to_truth`` ``tr Cov / |g*|^2``
+        (the first inflates the noise of an estimator whose mean is shrunk); relative MSE
         ``E|g - g*|^2 / |g*|^2`` (and at the best scalar step), squared bias corrected for
-        the mean's own noise, env steps.
+        the mean's own noise, env steps, and ``counts``: lines, decisions and decisions
+        along every line's whole path per draw (token costs).
 
         ``cosine_floor`` is what the cosine of an unbiased estimator's sample mean is
         expected to be at this many repeats (``1 - tr Cov / (2 R |E g|^2)``).
         """
         out = self._stats(self.mean, self.truth, self.sq, self.cross)
         out["steps"] = self.steps
+        out["lines"], out["decisions"], out["path_decisions"] = (float(c) for c in self.counts)
         by = []
         for t in range(self.sq_depth.size):
             sel = self.depth_of == t

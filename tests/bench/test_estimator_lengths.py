@@ -276,3 +276,31 @@ def test_the_learner_and_the_vectorised_study_estimate_the_same_mean(options, de
     study_var = (m.sq - float(np.sum(m.mean**2))) / m.repeats
     z = float(np.sum((learner_mean - m.mean) ** 2)) / (learner_var + study_var)
     assert z < 3.0  # E = 1 when both estimate the same mean
+
+
+def test_token_costs_count_shared_prefixes_once_only_with_packing(tmp_path):
+    """Cost model of the study: learner tokens re-read every line's path unless packed."""
+    import json
+
+    from branchgym.bench.estimator import TokenCosts
+    from branchgym.error import OptionError
+
+    arr = est.TreeArrays.of(TreeStructure.random(**MAZE))
+    pi = est.policy_snapshots(arr, fractions=(0.5,))["mid"]
+    tail = est.measure(arr, TAIL_NEW, pi, 200, np.random.default_rng(0)).summary()
+    rloo = est.measure(arr, RLOO, pi, 200, np.random.default_rng(0)).summary()
+    # full-length maze: 5 backbones of 6 decisions, 3 siblings of 1 decision each
+    assert (tail["lines"], tail["decisions"], tail["path_decisions"]) == (20, 45, 120)
+    assert (rloo["lines"], rloo["decisions"], rloo["path_decisions"]) == (7, 42, 42)
+    costs = TokenCosts(prompt=100.0, generated=3.0, step=20.0)
+    assert costs.costs(tail, 5) == (135.0, 20 * 100 + 120 * 20, 5 * 100 + 45 * 20)
+    assert costs.costs(rloo, 1) == (126.0, 7 * 100 + 42 * 20, 100 + 42 * 20)
+    data = {"maze": {}, "results": {"rloo": {"prompt_tokens_per_row": 150.0,
+            "learner_tokens_per_batch": 7 * 150.0 + 42 * 30, "decisions_per_batch": 42.0,
+            "rollouts_per_batch": 7.0, "tokens_per_batch": 126.0}}}  # fmt: skip
+    (tmp_path / "gn.json").write_text(json.dumps(data))
+    got = TokenCosts.from_gradient_noise(str(tmp_path / "gn.json"))
+    assert (got.prompt, got.generated, got.step) == (150.0, 3.0, 30.0)
+    (tmp_path / "old.json").write_text(json.dumps({"results": {"rloo": {"nsr": 1.0}}}))
+    with pytest.raises(OptionError, match="rerun"):
+        TokenCosts.from_gradient_noise(str(tmp_path / "old.json"))
