@@ -222,12 +222,14 @@ class Args(TrainArgs):
     so every depth weighs as one trajectory's and the gradient's mean is the policy
     gradient (docs/estimators.md); off: every counted decision weighs the same (spec)."""
     depth_count: str = "backbone"
-    """What n_t of ``depth_weight`` is. ``backbone``: G times the lines of the decision's
-    own tree crossing its depth (1 + (K - 1) x its backbone's points at or above it), which
-    does not depend on how long any line ran: unbiased on any env with an unbiased
-    schedule. ``realised``: the prompt's decisions at that depth (the previous design),
-    equal on fixed-length episodes but biased when lines end at different lengths (the
-    count is random and correlated with the returns)."""
+    """What n_t of ``depth_weight`` is. ``backbone``: G times the lines planned in the
+    decision's own tree at its depth (1 + (K - 1) x the points at or above it: with
+    ``schedule="depths"`` every ``branch_depths`` entry there, reached or not), which does
+    not depend on how long any line ran: unbiased with ``depths`` on any env, and with the
+    other trajectory-free schedules on fixed-length episodes. ``realised``: the prompt's
+    decisions at that depth (the previous design), equal on fixed-length episodes but
+    biased when lines end at different lengths (the count is random and correlated with
+    the returns)."""
 
     @property
     def branching(self) -> bool:
@@ -401,11 +403,16 @@ def prompt_advantages(trees: Sequence[RolloutTree], args: Args) -> list[dict[int
         for tree, out in zip(trees, per_tree, strict=True):
             for nid in out:
                 out[nid] *= n_leaves / count[tree[nid].step]
-    elif args.depth_weight:  # backbone: n_t = G x lines of this tree crossing t
+    elif args.depth_weight:  # backbone: n_t = G x lines planned in this tree at t
         g = len(trees)
         planned = g * (1 + args.m * (args.k - 1))
         for tree, out in zip(trees, per_tree, strict=True):
-            steps = sorted(b.step for b in tree.branch_points() if b.siblings[0] in tree.backbone)
+            if args.schedule == "depths":  # planned: reached or not (a line that ended
+                steps = sorted(args.branch_depths)  # adds no pairs; its count still does)
+            else:  # the backbone's own points (all exist on fixed-length episodes)
+                steps = sorted(
+                    b.step for b in tree.branch_points() if b.siblings[0] in tree.backbone
+                )
             for nid in out:
                 above = sum(1 for b in steps if b <= tree[nid].step)
                 out[nid] *= planned / (g * (1 + (args.k - 1) * above))

@@ -30,10 +30,11 @@ Estimators (:class:`Design`, docs/estimators.md derives each one):
   ``norm="depth"`` averages the pairs at each depth by their realised count (exact when
   every episode has the same length and the schedule does not look at the sampled
   trajectory; biased otherwise); ``norm="backbone"`` weights a pair by
-  ``1 / (G c_i(t))``, ``c_i(t)`` the lines of its own backbone's tree that cross its
-  depth, which no line's length changes: exact on any lengths with a schedule decided
-  before the actions it conditions on (``fixed`` depths, branching where the line is
-  alive). docs/estimators.md derives all three.
+  ``1 / (G c_i(t))``, ``c_i(t)`` the lines planned in its own backbone's tree at its depth
+  (for ``fixed``: 1 + (K - 1) x the fixed depths at or above it, whether or not the
+  lines got there), which no line's length changes: exact on any lengths with the
+  ``fixed`` schedule (branching where the line is alive), and on fixed lengths with every
+  trajectory-free schedule. docs/estimators.md derives all three.
 
 Leaves may sit at any depth (``TreeStructure.random(end_actions=, termination_prob=)``):
 an episode that ended stays at its leaf, takes no more decisions and costs no more steps;
@@ -543,8 +544,13 @@ def sample_pairs(
         lines_rep = np.maximum(lines.reshape(reps, gb, d).sum(axis=1), 1)  # (reps, D)
         bw = cred / np.repeat(lines_rep, gb, axis=0)
         sw = scred[:, None] / np.repeat(lines_rep, gb * m * (k - 1), axis=0)
-    else:  # backbone: 1 / (G c_i(t)), c_i(t) the lines of backbone i's tree crossing t
-        c = 1 + (k - 1) * (idx + 1)  # (nb, D); existing points at or above t
+    else:  # backbone: 1 / (G c_i(t)), c_i(t) the lines planned in backbone i's tree at t
+        if design.schedule == "fixed":  # planned: every fixed depth at or above t, reached
+            # or not (a line that ended is an ended trajectory: it just adds no pairs)
+            planned = np.sort([u if u >= 0 else d + u for u in design.depths])
+            c = np.broadcast_to(1 + (k - 1) * (planned[None, :] <= steps_t.T).sum(axis=1), (nb, d))
+        else:  # the backbone's own points (all exist when every episode has length D)
+            c = 1 + (k - 1) * (idx + 1)  # (nb, D)
         bw = cred / (gb * c)
         sw = scred[:, None] / np.repeat(gb * c, m * (k - 1), axis=0)
     brep = np.repeat(np.arange(reps), gb)
