@@ -183,10 +183,19 @@ STAGES = ("uniform", "mid", "late")
 BIAS_SE_LIMIT = 4.0
 
 
-def mazes(quick: bool) -> dict[str, tuple[est.TreeArrays, str]]:
-    """Build the study's mazes (the quick set for ``--quick``)."""
+def mazes(quick: bool, only: list[str] | None = None) -> dict[str, tuple[est.TreeArrays, str]]:
+    """Build the study's mazes (the quick set for ``--quick``; ``only`` these names)."""
     out = {}
-    for name, (kw, text) in (QUICK_MAZES if quick else MAZES).items():
+    table = QUICK_MAZES if quick else MAZES
+    unknown = sorted(set(only or ()) - set(table))
+    if unknown:
+        raise OptionError(
+            f"unknown maze(s) {unknown}; pick from {', '.join(table)} (--quick has its own "
+            "smaller set)."
+        )
+    for name, (kw, text) in table.items():
+        if only and name not in only:
+            continue
         kw = dict(kw)
         kw.pop("structure_seed", None)
         shape = kw.pop("depth_weights", None)
@@ -215,6 +224,11 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seed", type=seed_int, default=0)
     parser.add_argument("--no-training", action="store_true", help="skip the training phase")
     parser.add_argument("--quick", action="store_true", help="small mazes and sizes (CI)")
+    parser.add_argument(
+        "--mazes",
+        default="",
+        help=f"comma list of mazes to run (default: all of {', '.join(MAZES)})",
+    )
     parser.add_argument(
         "--token-costs",
         default=None,
@@ -569,8 +583,11 @@ def train(
 
 def _training(report: Report, args: argparse.Namespace, maze_set: dict, best: str) -> None:
     long = [m for m in maze_set if m.startswith("long")]
-    train_on = [min(long, key=lambda m: maze_set[m][0].n_nodes), "late"]
+    train_on = [min(long, key=lambda m: maze_set[m][0].n_nodes)] if long else []
+    train_on += [m for m in maze_set if m == "late"]
     train_on += [m for m in maze_set if m.startswith("stop")][:1]  # a variable-length maze
+    if not train_on:
+        return
     report.add(
         "## Training at equal env steps\n\nSGD on the logits, "
         f"{args.seeds} seeds, {args.budget} env steps per seed, exact J; each estimator at its "
@@ -664,7 +681,8 @@ def main(args: argparse.Namespace) -> int:
         f"policy; {args.repeats} draws per estimator and policy. Derivations: "
         "docs/estimators.md."
     )
-    maze_set = mazes(args.quick)
+    wanted = [m.strip() for m in str(getattr(args, "mazes", "") or "").split(",") if m.strip()]
+    maze_set = mazes(args.quick, wanted or None)
     tokens = (
         TokenCosts.from_gradient_noise(args.token_costs)
         if getattr(args, "token_costs", None)

@@ -304,3 +304,24 @@ def test_token_costs_count_shared_prefixes_once_only_with_packing(tmp_path):
     (tmp_path / "old.json").write_text(json.dumps({"results": {"rloo": {"nsr": 1.0}}}))
     with pytest.raises(OptionError, match="rerun"):
         TokenCosts.from_gradient_noise(str(tmp_path / "old.json"))
+
+
+def test_depths_schedule_and_its_options():
+    from branchgym.agents import bpo
+
+    from branchgym.error import TrainingConfigError
+
+    steps = [f.step for f in bpo.depths_schedule(None, list(range(4)), 2, None, depths=(3, 1))]
+    assert steps == [1, 3]
+    # a backbone that ended after 2 decisions does not branch at depth 3
+    assert [f.step for f in bpo.depths_schedule(None, [0, 1], 2, None, depths=(1, 3))] == [1]
+    ok = {"schedule": "depths", "branch_depths": (2,), "m": 1, "backbones": 2}
+    bpo.Args(**ok, credit="value_diff", depth_weight=True).check()
+    assert bpo.Args().depth_count == "backbone"
+    for bad, match in [
+        ({**ok, "m": 2}, "distinct branch_depths"),
+        ({**ok, "branch_depths": (-1,)}, ">= 0"),
+        ({**ok, "depth_count": "alive"}, "depth_count"),
+    ]:
+        with pytest.raises(TrainingConfigError, match=match):
+            bpo.Args(**bad).check()
