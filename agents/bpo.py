@@ -50,8 +50,11 @@ from branchgym.tree import ENTROPY_REDUCTIONS, RolloutTree
 
 __all__ = [
     "CREDITS",
+    "DEPTH_COUNTS",
+    "FIXED_HORIZON_ONLY",
     "SCHEDULE_OPTIONS",
     "Args",
+    "depths_schedule",
     "last_schedule",
     "loss",
     "main",
@@ -69,7 +72,13 @@ SCHEDULE_OPTIONS: dict[str, tuple[str, ...]] = {
     "oracle": (),
     "last": (),
     "root_even": (),
+    "depths": ("depths",),
 }
+
+#: Schedules whose points depend only on what happened before them (docs/estimators.md):
+#: ``depths`` on any env; the others read the backbone's length, which is fixed only
+#: when every episode has the same length.
+FIXED_HORIZON_ONLY = ("even", "random", "last", "root_even")
 
 #: Credit of backbone decisions (docs/estimators.md): eq. 5, or the unbiased variants.
 CREDITS = ("lambda", "root", "value_diff")
@@ -78,9 +87,13 @@ CREDITS = ("lambda", "root", "value_diff")
 def last_schedule(
     tree: RolloutTree, backbone: Sequence[int], m: int, rng: np.random.Generator
 ) -> list[ForkPoint]:
-    """The last M decisions of the backbone, fixed in advance (so unbiased).
+    """The last M decisions of the backbone: cheap siblings where the residual variance is.
 
-    docs/estimators.md: cheap siblings where the return's residual variance is largest.
+    Not fixed in advance: the points are picked after seeing where the backbone ended.
+    That is harmless only when every episode has the same length (TreeMDP's default);
+    where episodes end at different lengths, the backbone's action and return at a point
+    are conditioned on the episode ending right after it and the credit is biased
+    (docs/estimators.md, "Variable episode lengths"). Use :func:`depths_schedule` there.
     """
     t_max = len(backbone)
     return [ForkPoint(t, 0, float(t)) for t in range(max(0, t_max - m), t_max)]
@@ -103,8 +116,33 @@ def root_even_schedule(
     return [ForkPoint(t, 0, float(t)) for t in sorted(steps)][:m]
 
 
-#: Schedules this learner adds to branchgym.schedules' (trajectory-independent ones).
-LOCAL_SCHEDULES = {"last": last_schedule, "root_even": root_even_schedule}
+def depths_schedule(
+    tree: RolloutTree,
+    backbone: Sequence[int],
+    m: int,
+    rng: np.random.Generator,
+    *,
+    depths: Sequence[int] = (),
+) -> list[ForkPoint]:
+    """Branch at the decision depths ``depths``, fixed in advance, where the backbone is alive.
+
+    Whether the backbone branches at ``t`` depends only on whether it is still running
+    at ``t`` (decided by its state there, before its action at ``t``), so the lemma of
+    docs/estimators.md holds on envs whose episodes end at different lengths. A backbone
+    that ended before a depth gets no point there (and its planned lines cost nothing).
+    """
+    return [ForkPoint(int(t), 0, float(t)) for t in sorted(depths) if int(t) < len(backbone)]
+
+
+#: Schedules this learner adds to branchgym.schedules'.
+LOCAL_SCHEDULES = {
+    "last": last_schedule,
+    "root_even": root_even_schedule,
+    "depths": depths_schedule,
+}
+
+#: ``depth_count`` values: what n_t of ``depth_weight`` counts.
+DEPTH_COUNTS = ("backbone", "realised")
 
 
 @dataclasses.dataclass
@@ -118,7 +156,13 @@ class Args(TrainArgs):
     the source finds K saturates). Rollouts per prompt N = 1 + M(K - 1) = 7."""
     schedule: str = "entropy"
     """Branch schedule (step 3): ``entropy`` (top-M by H_t), or the ablations
-    ``lowest_entropy``, ``random``, ``even``, ``oracle`` (TreeMDP only)."""
+    ``lowest_entropy``, ``random``, ``even``, ``oracle`` (TreeMDP only), and for the
+    unbiased variants ``last`` (the last M decisions), ``root_even`` and ``depths`` (the
+    fixed decision depths ``branch_depths``, where the backbone is still running: the
+    only one unbiased when episodes end at different lengths, docs/estimators.md)."""
+    branch_depths: tuple[int, ...] = ()
+    """Decision depths of ``schedule="depths"`` (M of them, ``m`` must match), e.g.
+    ``(2,)``; a backbone that ended before a depth does not branch there."""
     entropy_reduce: str = "mean"
     """H_t of an action from its per-token entropies (eq. 3 on token spans): ``mean``
     (algorithms.md default), ``first`` or ``sum``."""
@@ -156,24 +200,36 @@ class Args(TrainArgs):
     group baseline of the source's K = 1 ablation (7 = N of M = 2, K = 4)."""
     credit: str = "lambda"
     """Credit of the backbone's decisions (docs/estimators.md): ``lambda`` is eq. (5)
-    (the spec); ``root`` gives decisions above the first branch point a leave-one-out
-    baseline among the prompt's ``backbones`` and later ones the comparison at the latest
-    branch point at or above them; ``value_diff`` gives decisions between two branch
-    points the mean sibling return at the next point minus the fresh siblings' mean at the
-    previous one (rewards in between added). Both are unbiased with a schedule that does
-    not look at the backbone's future (``even``, ``random``, ``last``, ``root_even``)."""
+    (the spec; biased: its prefix credit is mean-zero); ``root`` gives decisions above the
+    first branch point a leave-one-out baseline among the prompt's ``backbones`` and later
+    ones the comparison at the latest branch point at or above them; ``value_diff`` gives
+    decisions between two branch points the mean sibling return at the next point (the
+    line's own return if it ends before it) minus the fresh siblings' mean at the previous
+    one. Both give the exact policy gradient in mean, together with ``depth_weight``, when
+    the schedule decides each point before the actions it conditions on: ``depths`` on any
+    env; ``even``, ``random``, ``last`` and ``root_even`` only when every episode has the
+    same length (they read the backbone's length); never ``entropy``."""
     backbone_credit: str = "include"
     """``include`` (spec): the backbone's action is sibling 1 of each comparison.
     ``exclude``: the backbone's own decisions get advantage 0 (its return still serves
     in the fresh siblings' baselines), removing the bias of an entropy schedule that
-    chose the point by the backbone's later states."""
+    chose the point by the backbone's later states (the chosen states stay biased)."""
     backbones: int = 1
     """Backbones G per prompt, each grown with its own branch points (N = G(1 + M(K - 1)));
     ``credit="root"`` and ``value_diff`` use their leave-one-out baseline for the prefix."""
     depth_weight: bool = False
-    """Scale each decision's advantage by N / n_t (n_t: the prompt's decisions at its step)
-    so every step weighs as one trajectory's, making the gradient's mean the policy gradient
-    (docs/estimators.md); off: every counted decision weighs the same (spec)."""
+    """Scale each decision's advantage by N / n_t, N = G(1 + M(K - 1)) the planned rollouts,
+    so every depth weighs as one trajectory's and the gradient's mean is the policy
+    gradient (docs/estimators.md); off: every counted decision weighs the same (spec)."""
+    depth_count: str = "backbone"
+    """What n_t of ``depth_weight`` is. ``backbone``: G times the lines planned in the
+    decision's own tree at its depth (1 + (K - 1) x the points at or above it: with
+    ``schedule="depths"`` every ``branch_depths`` entry there, reached or not), which does
+    not depend on how long any line ran: unbiased with ``depths`` on any env, and with the
+    other trajectory-free schedules on fixed-length episodes. ``realised``: the prompt's
+    decisions at that depth (the previous design), equal on fixed-length episodes but
+    biased when lines end at different lengths (the count is random and correlated with
+    the returns)."""
 
     @property
     def branching(self) -> bool:
@@ -198,6 +254,17 @@ class Args(TrainArgs):
         require_one_of("env_noise", self.env_noise, ("fresh", "shared"))
         require_one_of("credit", self.credit, CREDITS)
         require_one_of("backbone_credit", self.backbone_credit, ("include", "exclude"))
+        require_one_of("depth_count", self.depth_count, DEPTH_COUNTS)
+        require(
+            self.schedule != "depths"
+            or (len(self.branch_depths) == self.m and len(set(self.branch_depths)) == self.m),
+            f"schedule='depths' needs m = {self.m} distinct branch_depths; got "
+            f"{tuple(self.branch_depths)} (e.g. --set branch_depths=2 --set m=1).",
+        )
+        require(
+            all(int(t) >= 0 for t in self.branch_depths),
+            f"branch_depths are decision depths >= 0; got {tuple(self.branch_depths)}.",
+        )
         require(self.backbones >= 1, f"backbones must be >= 1; got {self.backbones}.")
         require(
             self.credit != "root" or self.backbones >= 2,
@@ -211,7 +278,8 @@ class Args(TrainArgs):
         require(
             self.credit == "lambda" or self.schedule not in ("entropy", "lowest_entropy"),
             f"credit={self.credit!r} is unbiased only with a schedule fixed before the "
-            "backbone's future is seen: use even, random, last or root_even.",
+            "backbone's future is seen: use depths (any env), or even, random, last or "
+            "root_even (fixed-length episodes only).",
         )
         spec = (self.credit, self.backbone_credit, self.backbones, self.depth_weight)
         require(
@@ -272,7 +340,7 @@ def prompt_advantages(trees: Sequence[RolloutTree], args: Args) -> list[dict[int
     Fresh siblings' lines get their eq. (4) local advantage (tail ``last``). Backbone
     decisions get ``args.credit``'s credit (``lambda``: eq. 5 through
     :func:`tree_advantages`), 0 with ``backbone_credit="exclude"``; ``depth_weight``
-    rescales each decision by ``N / n_t``.
+    rescales each decision by ``N / n_t`` (``depth_count`` says what n_t counts).
     """
     per_tree: list[dict[int, float]] = []
     prefix: list[tuple[float, bool]] = []  # per backbone: (prefix value, valid)
@@ -284,7 +352,7 @@ def prompt_advantages(trees: Sequence[RolloutTree], args: Args) -> list[dict[int
             (b for b in tree.branch_points() if b.siblings[0] in backbone), key=lambda b: b.step
         )
         pending.append([])
-        if args.credit != "lambda" and bps:
+        if args.credit != "lambda":
             rows = []
             for b in bps:
                 ret = np.asarray(b.returns, dtype=np.float64)
@@ -306,9 +374,12 @@ def prompt_advantages(trees: Sequence[RolloutTree], args: Args) -> list[dict[int
                     g_next, v_next = rows[idx + 1][1], rows[idx + 1][2]
                     out[nid] = g_here - g_next + v_next - base
             g0 = float(tree.path_returns_to_go(backbone)[0]) if backbone else 0.0
-            first = rows[0]
-            value = g0 if args.credit == "root" else g0 - first[1] + first[2]
-            prefix.append((value, first[4]))
+            if rows:
+                first = rows[0]
+                value = g0 if args.credit == "root" else g0 - first[1] + first[2]
+                prefix.append((value, first[4]))
+            else:  # the line ended before its first planned point: its return is the value
+                prefix.append((g0, bool(backbone) and tree.line_valid(backbone[0])))
         else:
             prefix.append((0.0, False))
         if args.backbone_credit == "exclude":
@@ -323,7 +394,7 @@ def prompt_advantages(trees: Sequence[RolloutTree], args: Args) -> list[dict[int
         for ti, nodes in enumerate(pending):
             for nid in nodes:
                 per_tree[ti][nid] = 0.0 if args.backbone_credit == "exclude" else loo[ti]
-    if args.depth_weight:
+    if args.depth_weight and args.depth_count == "realised":
         count: dict[int, int] = {}
         for tree in trees:
             for n in tree.nodes:
@@ -332,6 +403,19 @@ def prompt_advantages(trees: Sequence[RolloutTree], args: Args) -> list[dict[int
         for tree, out in zip(trees, per_tree, strict=True):
             for nid in out:
                 out[nid] *= n_leaves / count[tree[nid].step]
+    elif args.depth_weight:  # backbone: n_t = G x lines planned in this tree at t
+        g = len(trees)
+        planned = g * (1 + args.m * (args.k - 1))
+        for tree, out in zip(trees, per_tree, strict=True):
+            if args.schedule == "depths":  # planned: reached or not (a line that ended
+                steps = sorted(args.branch_depths)  # adds no pairs; its count still does)
+            else:  # the backbone's own points (all exist on fixed-length episodes)
+                steps = sorted(
+                    b.step for b in tree.branch_points() if b.siblings[0] in tree.backbone
+                )
+            for nid in out:
+                above = sum(1 for b in steps if b <= tree[nid].step)
+                out[nid] *= planned / (g * (1 + (args.k - 1) * above))
     return per_tree
 
 
@@ -375,6 +459,7 @@ def main(args: Args, algo: str = "bpo") -> TrainResult:
         "min_gap": args.min_gap,
         "gap_unit": args.gap_unit,
         "fill": args.fill,
+        "depths": tuple(args.branch_depths),
     }
     schedule_options = {k: given[k] for k in SCHEDULE_OPTIONS[args.schedule]}
     schedule = LOCAL_SCHEDULES.get(args.schedule, args.schedule)

@@ -80,12 +80,22 @@ class BatchGradient:
         tokens: Generated tokens of the batch (each counted once: the tokens the loss counts).
         rollouts: Rollouts (root-to-leaf paths) of the batch.
         rows: Rows the loss saw.
+        learner_tokens: Tokens the update's forward passes read without prefix sharing
+            (every row's whole sequence: prompt, dialogue, replies).
+        packed_tokens: The same with ``pack_trees`` (a row's prefix shared with the row
+            before it of its tree read once).
+        decisions: Decisions of the rows (a shared prefix's once).
+        prompt_tokens: Mean tokens of a row's first prompt (system prompt and task).
     """
 
     grad: Tensor
     tokens: float
     rollouts: int
     rows: int
+    learner_tokens: float = float("nan")
+    packed_tokens: float = float("nan")
+    decisions: int = 0
+    prompt_tokens: float = float("nan")
 
 
 def flat_grad(params: Sequence[Tensor]) -> Tensor:
@@ -170,8 +180,31 @@ class ProbeRun(Run):
         g = surrogate_gradient(self, batch, loss_fn, weight, rows)
         paths = sum(len(t.paths()) for t in batch.trees)
         if self.sink is not None:
-            self.sink(BatchGradient(g, token_weight(batch, list(rows)), paths, len(rows)))
+            scored = [batch.rows[r] for r in rows if batch.rows[r].decisions]
+            plain, packed = (sum(self.row_tokens_as(scored, pack)) for pack in (False, True))
+            heads = [len(self.policy.prompt_ids(r.decisions[0].context)) for r in scored]
+            self.sink(
+                BatchGradient(
+                    g,
+                    token_weight(batch, list(rows)),
+                    paths,
+                    len(rows),
+                    float(plain),
+                    float(packed),
+                    sum(len(r.decisions) for r in scored),
+                    float(np.mean(heads)) if heads else float("nan"),
+                )
+            )
         return {"update/skipped": 0.0, "grad/norm": float(g.norm())}
+
+    def row_tokens_as(self, rows: Sequence[Any], pack: bool) -> list[int]:
+        """:meth:`Run.row_tokens` with ``pack_trees`` set to ``pack`` (both costs of a batch)."""
+        was = self.args.pack_trees
+        self.args.pack_trees = pack
+        try:
+            return self.row_tokens(rows)
+        finally:
+            self.args.pack_trees = was
 
     def save(self, folder: str | Path | None = None) -> Path:
         """No checkpoints: the policy never changes."""

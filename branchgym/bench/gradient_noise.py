@@ -40,6 +40,7 @@ from tqdm import tqdm
 from branchgym.bench.common import Report, positive_int, seed_int
 from branchgym.bench.runs import CI_MAZE, STUDY_MAZE
 from branchgym.bench.variance import PAYS_BELOW
+from branchgym.error import OptionError
 
 __all__ = [
     "DEFAULT_LEARNERS",
@@ -195,6 +196,8 @@ HEAD = [
     "signal ‖m‖² − trC/n",
     "NSR (matched tokens)",
     "Var‖g‖ (fixed policy)",
+    "learner tokens/batch (plain / pack_trees)",
+    "NSR (matched learner tokens, plain / pack_trees)",
 ]
 
 
@@ -221,9 +224,11 @@ def measure(
     with tqdm(total=batches * len(parsed), desc=desc, unit="batch", disable=not progress) as bar:
         for label, algo, own in parsed:
             stats = NoiseStats()
+            costs: list[tuple[float, float, float, float]] = []
 
-            def on_batch(bg: Any, stats: Any = stats) -> None:
+            def on_batch(bg: Any, stats: Any = stats, costs: list = costs) -> None:
                 stats.add(bg.grad, bg.tokens, bg.rollouts)
+                costs.append((bg.learner_tokens, bg.packed_tokens, bg.decisions, bg.prompt_tokens))
                 bar.update(1)
 
             t0 = time.perf_counter()
@@ -231,12 +236,21 @@ def measure(
             probe_learner(algo, batches, on_batch=on_batch, **opts)
             s = stats.summary()
             s["seconds"] = time.perf_counter() - t0
+            c = np.asarray(costs, dtype=float).mean(axis=0)
+            s["learner_tokens_per_batch"], s["packed_tokens_per_batch"] = c[0], c[1]
+            s["decisions_per_batch"], s["prompt_tokens_per_row"] = c[2], c[3]
             out[label] = s
     ref = reference if reference in out else next(iter(out))
-    ref_tokens = out[ref]["tokens_per_batch"]
+    r = out[ref]
     for s in out.values():
-        s["nsr_tokens"] = s["nsr"] * s["tokens_per_batch"] / ref_tokens if ref_tokens else np.nan
-        s["reference_tokens"] = ref_tokens
+        # NSR scales as 1 / batch size: the NSR at the reference's cost in each unit
+        for key, unit in (
+            ("nsr_tokens", "tokens_per_batch"),
+            ("nsr_learner_tokens", "learner_tokens_per_batch"),
+            ("nsr_packed_tokens", "packed_tokens_per_batch"),
+        ):
+            s[key] = s["nsr"] * s[unit] / r[unit] if r[unit] else np.nan
+        s["reference_tokens"] = r["tokens_per_batch"]
     return out
 
 
@@ -255,6 +269,8 @@ def table_rows(results: dict[str, dict[str, float]]) -> list[list[Any]]:
             f"{s['signal']:.4g}",
             f"{s['nsr_tokens']:.3f}",
             f"{s['norm_var']:.4g}",
+            f"{s['learner_tokens_per_batch']:.0f} / {s['packed_tokens_per_batch']:.0f}",
+            f"{s['nsr_learner_tokens']:.3f} / {s['nsr_packed_tokens']:.3f}",
         ]
         for label, s in results.items()
     ]
@@ -294,6 +310,12 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--quick", action="store_true", help="CI: the depth-3 maze, 6 batches of 2 prompts"
     )
+    parser.add_argument(
+        "--maze",
+        default="",
+        help="TextTreeMDP options over the maze's, KEY=VALUE comma list, e.g. "
+        "termination_prob=0.3 or end_actions=1 (episodes of variable length)",
+    )
 
 
 def _frozen_model(args: argparse.Namespace, maze: dict[str, Any], folder: Path) -> str:
@@ -323,6 +345,25 @@ def _frozen_model(args: argparse.Namespace, maze: dict[str, Any], folder: Path) 
     return str(run.checkpoint)
 
 
+def _maze_options(text: str) -> dict[str, Any]:
+    """``"termination_prob=0.3,depth=5"`` -> ``{"termination_prob": 0.3, "depth": 5}``."""
+    out: dict[str, Any] = {}
+    for item in filter(None, (x.strip() for x in text.split(","))):
+        key, sep, value = item.partition("=")
+        if not sep:
+            raise OptionError(
+                f"--maze takes KEY=VALUE pairs (e.g. termination_prob=0.3); got {item!r}"
+            )
+        try:
+            out[key.strip()] = int(value)
+        except ValueError:
+            try:
+                out[key.strip()] = float(value)
+            except ValueError:
+                out[key.strip()] = value.strip()
+    return out
+
+
 def main(args: argparse.Namespace) -> int:
     """Measure each learner's estimator noise; write ``gradient_noise.md``, PNG and JSON."""
     import matplotlib
@@ -334,6 +375,7 @@ def main(args: argparse.Namespace) -> int:
     if args.quick:
         maze = CI_MAZE
         args.batches, args.prompts = min(args.batches, 6), min(args.prompts, 2)
+    maze = {**maze, **_maze_options(getattr(args, "maze", ""))}
     t0 = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="bench_gradient_noise_") as tmp:
         model = _frozen_model(args, maze, Path(tmp))
@@ -382,7 +424,9 @@ def main(args: argparse.Namespace) -> int:
         r = results[ref]
         lines.append(
             f"{label} / {ref}: NSR at matched rollouts {s['nsr'] / r['nsr']:.2f}, at matched "
-            f"tokens {s['nsr_tokens'] / r['nsr_tokens']:.2f}"
+            f"generated tokens {s['nsr_tokens'] / r['nsr_tokens']:.2f}, at matched learner "
+            f"tokens {s['nsr_learner_tokens'] / r['nsr_learner_tokens']:.2f} (plain) / "
+            f"{s['nsr_packed_tokens'] / r['nsr_packed_tokens']:.2f} (pack_trees)"
         )
     for line in lines:
         print(line)

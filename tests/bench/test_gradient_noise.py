@@ -191,10 +191,26 @@ def test_gradient_noise_study_quick(tmp_path, capsys):
         assert s["batches"] == 6 and s["dims"] > 1000
         assert np.isfinite(s["nsr"]) and s["nsr"] > 0 and -1 <= s["cosine"] <= 1
         assert s["rollouts_per_batch"] == 14  # 2 prompts x N = 7, matched rollouts
+        # learner tokens from the rows' real sequences; pack_trees reads shared prefixes once
+        assert 0 < s["packed_tokens_per_batch"] < s["learner_tokens_per_batch"]
+        assert s["decisions_per_batch"] > 0 and s["prompt_tokens_per_row"] > 0
     ref = res["grpo"]["tokens_per_batch"]
     b = res["bpo"]
     assert b["nsr_tokens"] == pytest.approx(b["nsr"] * b["tokens_per_batch"] / ref)
     assert (tmp_path / "gradient_noise_nsr.png").stat().st_size > 1000
+
+
+def test_maze_options_parse_and_reject_bad_pairs():
+    from branchgym.bench.gradient_noise import _maze_options
+    from branchgym.error import OptionError
+
+    assert _maze_options("termination_prob=0.3, end_actions=1") == {
+        "termination_prob": 0.3,
+        "end_actions": 1,
+    }
+    assert _maze_options("") == {}
+    with pytest.raises(OptionError, match="KEY=VALUE"):
+        _maze_options("termination_prob")
 
 
 @pytest.mark.slow

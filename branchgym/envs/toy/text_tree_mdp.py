@@ -49,7 +49,7 @@ class TextTreeMDP(TreeMDP):
         super().reset(seed=seed, options=options)
         self.text = (
             f"You stand at the entrance of a maze, in room 0. Each exit leads deeper; after "
-            f"{self.tree.max_depth} moves you leave the maze and are scored. " + self._exits()
+            f"{self._moves()} moves you leave the maze and are scored. " + self._exits()
         )
         self.invalid = False
         return self.text, self._info()
@@ -99,6 +99,12 @@ class TextTreeMDP(TreeMDP):
         return self.text, self._info()
 
     # ---------------------------------------------------------------- helpers
+    def _moves(self) -> str:
+        # a tree with leaves above its last level ends some episodes early
+        leaf = self.tree.children[:, 0, 0] < 0
+        short = bool(leaf.any() and self.tree.depth[leaf].min() < self.tree.max_depth)
+        return f"at most {self.tree.max_depth}" if short else str(self.tree.max_depth)
+
     def _exits(self) -> str:
         return "Exits: " + ", ".join(self.actions) + "."
 

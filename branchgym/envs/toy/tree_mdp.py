@@ -1,11 +1,14 @@
 """TreeMDP: a finite stochastic tree MDP with exact values, the ground truth for theory tests.
 
-Every state is a node of a tree of fixed depth. In a non-terminal node the agent picks
-one of ``n_actions`` actions; the environment then moves to one of that action's
-``n_outcomes`` children (the intended one with probability ``1 - transition_noise``,
-otherwise uniformly at random). Reaching depth ``depth`` ends the episode with a
-terminal reward whose mean is a property of the leaf, plus noise (Gaussian with std
-``reward_noise``, or a Bernoulli success with that mean).
+Every state is a node of a tree of depth at most ``depth``. In a non-terminal node the
+agent picks one of ``n_actions`` actions; the environment then moves to one of that
+action's ``n_outcomes`` children (the intended one with probability
+``1 - transition_noise``, otherwise uniformly at random). Reaching a leaf ends the
+episode with a terminal reward whose mean is a property of the leaf, plus noise
+(Gaussian with std ``reward_noise``, or a Bernoulli success with that mean). By default
+every leaf is at depth ``depth``; ``end_actions`` (actions that end the episode) and
+``termination_prob`` (the env ends it with a probability whatever the action) give
+episodes of variable length, as WebShop's ``buy`` or a step limit do.
 
 Because the tree is finite, values are exact: :meth:`TreeMDP.value`,
 :meth:`TreeMDP.q_value` and :meth:`TreeMDP.return_variance` compute ``V^pi(s)``,
@@ -86,6 +89,8 @@ class TreeStructure:
         reward_kind: str = "gaussian",
         seed: int = 0,
         depth_weights: Any = None,
+        end_actions: int = 0,
+        termination_prob: float = 0.0,
     ) -> TreeStructure:
         """A random tree whose leaf means depend on every decision along the path.
 
@@ -97,6 +102,18 @@ class TreeStructure:
         before they add up (the ``sqrt(depth)`` becomes the weights' norm): large late
         weights resolve the return late (Theorem 2's ``nu_t^2`` small until late), large
         early ones resolve it early. ``None`` means all ones.
+
+        Variable episode lengths (leaves above ``depth``, scored by the same formula on
+        the path so far):
+
+        * ``end_actions``: the last ``end_actions`` actions of every inner node end the
+          episode (all their outcomes are leaves), as a "submit" action does;
+        * ``termination_prob``: after any action the environment ends the episode with
+          this probability whatever the action (one extra outcome, a leaf), as a step
+          limit or a crash does; the other outcomes share ``1 - termination_prob``.
+
+        With both at 0 (the default) every leaf is at ``depth`` and the tree is the one
+        earlier versions built from the same seed.
         """
         if depth < 1 or n_actions < 1 or n_outcomes < 1:
             raise ValueError("depth, n_actions and n_outcomes must be >= 1")
@@ -107,6 +124,18 @@ class TreeStructure:
         w = np.ones(depth) if depth_weights is None else np.asarray(depth_weights, dtype=float)
         if w.shape != (depth,):
             raise ValueError(f"depth_weights needs one weight per depth ({depth})")
+        if isinstance(end_actions, bool) or not 0 <= int(end_actions) < n_actions:
+            raise ValueError(
+                f"end_actions must be an int in [0, n_actions) (some action must go on); "
+                f"got {end_actions!r}"
+            )
+        if not 0.0 <= termination_prob < 1.0:
+            raise ValueError(f"termination_prob must be in [0, 1); got {termination_prob!r}")
+        if end_actions or termination_prob > 0:
+            return cls._random_variable(
+                depth, n_actions, n_outcomes, transition_noise, reward_noise, reward_kind,
+                seed, w, int(end_actions), float(termination_prob),
+            )  # fmt: skip
         branching = n_actions * n_outcomes
         n_nodes = sum(branching**d for d in range(depth + 1))
         if n_nodes > 2_000_000:
@@ -133,6 +162,64 @@ class TreeStructure:
             path_q[flat] = (path_q[inner][:, None] + step_q).reshape(-1)
         leaves = node_depth == depth
         scale = np.sqrt(depth) if depth_weights is None else np.sqrt(np.sum(w**2))
+        mean = np.where(leaves, 1.0 / (1.0 + np.exp(-2.0 * path_q / scale)), 0.0)
+        std = np.where(leaves, reward_noise if reward_kind == "gaussian" else 0.0, 0.0)
+        return cls(n_actions, node_depth, parent, children, probs, mean, std, reward_kind)
+
+    @classmethod
+    def _random_variable(
+        cls,
+        depth: int,
+        n_actions: int,
+        n_outcomes: int,
+        transition_noise: float,
+        reward_noise: float,
+        reward_kind: str,
+        seed: int,
+        w: np.ndarray,
+        end_actions: int,
+        termination_prob: float,
+    ) -> TreeStructure:
+        """:meth:`random` with leaves above ``depth``, built one level at a time."""
+        rng = np.random.default_rng(seed)
+        stop = termination_prob > 0
+        n_out = n_outcomes + int(stop)
+        p = np.full(n_outcomes, transition_noise / n_outcomes)
+        p[0] += 1.0 - transition_noise
+        p = np.concatenate([p * (1.0 - termination_prob), [termination_prob]]) if stop else p
+        # which (action, outcome) children are leaves above the last level
+        ends = np.zeros((n_actions, n_out), dtype=bool)
+        ends[n_actions - end_actions :, :] = True
+        if stop:
+            ends[:, -1] = True
+        depth_l, parent_l, pq_l = [np.zeros(1, np.int32)], [np.full(1, -1)], [np.zeros(1)]
+        child_blocks, inner_ids = [], np.zeros(1, dtype=np.int64)
+        n_nodes, inner_all = 1, [inner_ids]
+        for d in range(depth):
+            k = inner_ids.size
+            if k * n_actions * n_out + n_nodes > 2_000_000:
+                raise ValueError("tree would have over 2,000,000 nodes; reduce depth or branching")
+            quality = rng.normal(size=(k, n_actions)) * w[d]
+            kids = n_nodes + np.arange(k * n_actions * n_out).reshape(k, n_actions, n_out)
+            child_blocks.append(kids)
+            n_nodes += kids.size
+            depth_l.append(np.full(kids.size, d + 1, np.int32))
+            parent_l.append(np.repeat(inner_ids, n_actions * n_out))
+            pq_parent = np.concatenate(pq_l)[inner_ids]
+            pq_l.append((pq_parent[:, None, None] + quality[:, :, None]).repeat(n_out, 2).ravel())
+            leafy = np.broadcast_to(ends | (d + 1 == depth), kids.shape)
+            inner_ids = kids[~leafy]
+            inner_all.append(inner_ids)
+        node_depth = np.concatenate(depth_l)
+        parent = np.concatenate(parent_l)
+        path_q = np.concatenate(pq_l)
+        children = np.full((n_nodes, n_actions, n_out), -1, dtype=np.int64)
+        probs = np.zeros((n_nodes, n_actions, n_out))
+        for ids, kids in zip(inner_all, child_blocks, strict=False):
+            children[ids] = kids
+            probs[ids] = p
+        leaves = children[:, 0, 0] < 0
+        scale = np.sqrt(np.sum(w**2))
         mean = np.where(leaves, 1.0 / (1.0 + np.exp(-2.0 * path_q / scale)), 0.0)
         std = np.where(leaves, reward_noise if reward_kind == "gaussian" else 0.0, 0.0)
         return cls(n_actions, node_depth, parent, children, probs, mean, std, reward_kind)
@@ -261,6 +348,10 @@ class TreeMDP(SnapshottableEnv[int, int]):
         reward_noise: Std of the Gaussian noise on terminal rewards.
         reward_kind: ``gaussian`` (mean + noise) or ``bernoulli`` (success with prob = mean).
         structure_seed: Seed of the random tree (the dynamics are part of the spec).
+        end_actions: The last ``end_actions`` actions of every room end the episode
+            (variable episode lengths; :meth:`TreeStructure.random`).
+        termination_prob: Probability that the environment ends the episode after any
+            action, whatever the action (variable episode lengths).
         structure: A hand-built :class:`TreeStructure` instead of a random one.
     """
 
@@ -277,6 +368,8 @@ class TreeMDP(SnapshottableEnv[int, int]):
         reward_noise: float = 0.1,
         reward_kind: str = "gaussian",
         structure_seed: int = 0,
+        end_actions: int = 0,
+        termination_prob: float = 0.0,
         structure: TreeStructure | None = None,
         render_mode: str | None = None,
     ) -> None:
@@ -289,6 +382,8 @@ class TreeMDP(SnapshottableEnv[int, int]):
             reward_noise=reward_noise,
             reward_kind=reward_kind,
             seed=structure_seed,
+            end_actions=end_actions,
+            termination_prob=termination_prob,
         )
         self._config = self.tree.fingerprint()
         self.observation_space = gym.spaces.Discrete(self.tree.n_nodes)
