@@ -214,7 +214,6 @@ def _learner_draws(tree_kw, pi, prompts, seed, **options):
     """
     from branchgym.agents import bpo
     from branchgym.agents.policy import TabularPolicy
-
     from branchgym.executors import EnvRecipe
     from branchgym.rollout import grow_tree
 
@@ -308,7 +307,6 @@ def test_token_costs_count_shared_prefixes_once_only_with_packing(tmp_path):
 
 def test_depths_schedule_and_its_options():
     from branchgym.agents import bpo
-
     from branchgym.error import TrainingConfigError
 
     steps = [f.step for f in bpo.depths_schedule(None, list(range(4)), 2, None, depths=(3, 1))]
