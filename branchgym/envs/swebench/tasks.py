@@ -299,7 +299,8 @@ def cache_folder(folder: str | os.PathLike[str]) -> Path:
     """
     folder = Path(folder)
     try:
-        folder.mkdir(parents=True, exist_ok=True)
+        # Through the real path: a link whose target does not exist yet gets it made.
+        Path(os.path.realpath(folder)).mkdir(parents=True, exist_ok=True)
         problem = "" if os.access(folder, os.W_OK | os.X_OK) else "it is not writable"
     except OSError as exc:
         problem = exc.strerror or str(exc)

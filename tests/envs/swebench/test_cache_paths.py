@@ -245,3 +245,26 @@ def test_submit_never_grades_a_failed_sandbox_as_an_empty_patch(tmp_path):
         assert "could not compute the working tree's diff" in info["patch_error"]
     finally:
         env.close()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("backend", ["docker", "docker-git"])
+def test_docker_backends_take_the_cache_anywhere(docker_available, var_tmp, tmp_path, backend):
+    # Docker reads the checkout from the cache (the image is built from a tar of it) and
+    # binds nothing: a cache behind a link, under /var/tmp, with a space and a comma.
+    cache = var_tmp / "docker cache, here"
+    link = tmp_path / "link"
+    link.symlink_to(cache)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("BRANCHGYM_CACHE", str(link))
+        env = SWEBenchEnv(backend=backend)
+        try:
+            env.reset(options={"instance_id": "branchgym__rpn-1"})
+            obs, *_ = env.step("grep -c pop rpn/core.py")
+            assert obs.startswith("2\n"), obs
+            env.step(env.unwrapped.task.extra["branchgym_fix_command"])
+            _, reward, done, _, info = env.step("submit")
+            assert done and reward == 1.0, info["report"]
+        finally:
+            env.close()
+    assert (cache / "swebench" / "checkouts").is_dir()
