@@ -669,6 +669,10 @@ def _mount_plan(paths: tuple[str, ...], hidden: tuple[str, ...]) -> tuple[str, .
     return tuple(args)
 
 
+#: Mount configurations a sandbox was started with in this process (``_Runner.check``).
+_STARTED: set[tuple[object, ...]] = set()
+
+
 class _Runner:
     """Runs ``bash -c`` with a host folder bound at ``/testbed``, isolated or not.
 
@@ -866,11 +870,16 @@ class _Runner:
         """
         if self.isolation == "none" or self._checked:
             return
-        probe = Path(tempfile.mkdtemp(prefix="branchgym-probe-"))
-        try:
-            self.run(probe, "true", WORKDIR, None, 60.0)
-        finally:
-            shutil.rmtree(probe, ignore_errors=True)
+        # What the mounts depend on: runners of other env instances with the same paths
+        # need no probe of their own (a pool instance meeting a task it has not run).
+        key = (tuple(self.toolchain), tuple(_hidden_paths()), self.limits.tmp)
+        if key not in _STARTED:
+            probe = Path(tempfile.mkdtemp(prefix="branchgym-probe-"))
+            try:
+                self.run(probe, "true", WORKDIR, None, 60.0)
+            finally:
+                shutil.rmtree(probe, ignore_errors=True)
+            _STARTED.add(key)
         self._checked = True
 
     def _limit_hit(

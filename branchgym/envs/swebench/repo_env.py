@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import dataclasses
 import fcntl
+import functools
 import hashlib
 import json
 import os
@@ -160,8 +161,14 @@ def _check_python(path: str | os.PathLike[str]) -> str:
     return os.path.abspath(path)
 
 
-def _prefixes(python: str) -> list[str]:
-    """The installation folders of ``python`` outside /usr (to bind read-only)."""
+@functools.cache
+def _prefixes(python: str) -> tuple[str, ...]:
+    """The installation folders of ``python`` outside /usr (to bind read-only).
+
+    Asked once per interpreter and process: starting it costs 100-200 ms, which every
+    env instance paid again for each task it met (a restore of another task's snapshot
+    into a pool instance).
+    """
     code = (
         "import sys, os, json; print(json.dumps(sorted({os.path.realpath(p) for p in "
         "(sys.prefix, sys.exec_prefix, sys.base_prefix, sys.base_exec_prefix)} | "
@@ -177,7 +184,7 @@ def _prefixes(python: str) -> list[str]:
             continue
         if os.path.isdir(p) and not any(p.startswith(k.rstrip("/") + "/") for k in keep):
             keep.append(p)
-    return keep
+    return tuple(keep)
 
 
 def _key(task: SWEBenchTask, base_python: str) -> str:
