@@ -263,7 +263,12 @@ def main(args: argparse.Namespace) -> int:
                 f"{100 * st.tokens_saved:.1f} %",
                 f"{1000 * st.snapshot_s / n_trees:.2f}",
                 f"{1000 * st.restore_s / n_trees:.2f}",
-                f"{1000 * np.median(restores):.2f} ({len(restores)})" if restores else "-",
+                (
+                    f"{1000 * np.median(restores):.2f} / {1000 * np.mean(restores):.2f} "
+                    f"({len(restores)})"
+                )
+                if restores
+                else "-",
                 f"{rollout_s / n_trees:.2f}",
                 f"{100 * st.branching_overhead:.3f} %",
                 f"{st.peak_live_snapshots} / {st.peak_live_bytes}",
@@ -277,7 +282,7 @@ def main(args: argparse.Namespace) -> int:
     report.add(
         f"## Overhead and tokens saved\n\nPolicy: {args.model} model through LLMPolicy "
         f"(max {args.max_new_tokens} new tokens per action), the same for every env. "
-        f"{n_trees} trees (task seeds) per row; times are per tree, except the median of "
+        f"{n_trees} trees (task seeds) per row; times are per tree, except the median and mean of "
         "single restores (each into a free pool instance, as a sibling restores; n: how "
         "many). Overhead = "
         "(snapshot + restore) / (generation + env steps). Tokens saved = 1 - generated / "
@@ -298,7 +303,7 @@ def main(args: argparse.Namespace) -> int:
                 "tokens saved",
                 "snapshot ms",
                 "restore ms",
-                "restore median ms (n)",
+                "restore median / mean ms (n)",
                 "rollout s",
                 "overhead",
                 "peak live / bytes",

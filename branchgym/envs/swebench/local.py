@@ -501,8 +501,8 @@ def _hidden_paths() -> list[str]:
     """Host folders commands must never see: the cache and the sandboxes' layers.
 
     The cache holds gold patches and the pristine checkouts grading starts from. Neither
-    is bound; where a toolchain path contains one, a tmpfs covers it (commands have no
-    capability to unmount it).
+    is bound; where a bound folder (toolchain or system) contains one, a read-only tmpfs
+    covers it (commands have no capability to unmount it).
     """
     return [os.path.realpath(p) for p in (cache_root(), work_root())]
 
@@ -639,7 +639,9 @@ def _mount_plan(paths: tuple[str, ...], hidden: tuple[str, ...]) -> tuple[str, .
     """
     system = _system_trees()
     reals = list(dict.fromkeys(os.path.realpath(p) for p in paths))
-    outside = [r for r in reals if not any(_covers(h, r) for h in hidden)]
+    # A path strictly inside a hidden folder (a venv in the cache) is bound after the
+    # folder's tmpfs; one that is or holds a hidden folder, before it (the tmpfs wins).
+    outside = [r for r in reals if not any(_covers(h, r) and r != h for h in hidden)]
     covered = [
         h for h in hidden if os.path.isdir(h) and any(_covers(t, h) for t in [*system, *outside])
     ]
@@ -871,9 +873,11 @@ class _Runner:
         if self.isolation == "none" or self._checked:
             return
         # What the mounts depend on: runners of other env instances with the same paths
-        # need no probe of their own (a pool instance meeting a task it has not run).
+        # need no probe of their own (a pool instance meeting a task it has not run),
+        # unless a bound folder has gone since.
         key = (tuple(self.toolchain), tuple(_hidden_paths()), self.limits.tmp)
-        if key not in _STARTED:
+        there = all(map(os.path.isdir, [*interpreter_paths(), *self.toolchain]))
+        if key not in _STARTED or not there:
             probe = Path(tempfile.mkdtemp(prefix="branchgym-probe-"))
             try:
                 self.run(probe, "true", WORKDIR, None, 60.0)

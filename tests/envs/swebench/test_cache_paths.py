@@ -167,11 +167,14 @@ def test_read_only_cache_and_read_only_parent(var_tmp_cache, var_tmp, monkeypatc
 
 
 @pytest.mark.slow
-def test_cache_inside_a_bound_folder_stays_hidden(var_tmp_cache, monkeypatch):
-    # A toolchain folder that holds the cache: the cache is covered by an empty tmpfs (the
-    # checkouts grading starts from stay out of reach), the venv in it is bound again.
+@pytest.mark.parametrize("bound", ["parent", "cache"])
+def test_cache_inside_a_bound_folder_stays_hidden(var_tmp_cache, monkeypatch, bound):
+    # A toolchain folder that holds the cache, or is the cache: the cache is covered by an
+    # empty tmpfs (the checkouts grading starts from stay out of reach), the venv in it
+    # is bound again.
     monkeypatch.setenv("BRANCHGYM_CACHE", str(var_tmp_cache))
-    env = SWEBenchEnv(tasks="realistic", toolchain=[var_tmp_cache.parent])
+    tool = var_tmp_cache.parent if bound == "parent" else var_tmp_cache
+    env = SWEBenchEnv(tasks="realistic", toolchain=[tool])
     try:
         env.reset(options={"instance_id": REAL})
         obs, *_ = env.step(
