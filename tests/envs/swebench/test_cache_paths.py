@@ -254,8 +254,8 @@ def test_submit_never_grades_a_failed_sandbox_as_an_empty_patch(tmp_path):
 @pytest.mark.parametrize("backend", ["docker", "docker-git"])
 def test_docker_backends_take_the_cache_anywhere(docker_available, var_tmp, tmp_path, backend):
     # Docker reads the checkout from the cache (the image is built from a tar of it) and
-    # binds nothing: a cache behind a link, under /var/tmp, with a space and a comma.
-    cache = var_tmp / "docker cache, here"
+    # binds nothing: a cache behind a link, under /var/tmp, with a space, a comma and ":".
+    cache = var_tmp / "docker cache, here: too"
     link = tmp_path / "link"
     link.symlink_to(cache)
     with pytest.MonkeyPatch.context() as mp:
