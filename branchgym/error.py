@@ -181,6 +181,21 @@ class RepoEnvironmentError(SandboxUnavailableError):
     """A task's own Python environment cannot be built (install failed, dependencies missing)."""
 
 
+class CacheLocationError(SandboxConfigError):
+    """The branchgym cache cannot be used where it is (not writable, a name PATH cannot hold).
+
+    The message names the folder and says what to set ``BRANCHGYM_CACHE`` to.
+    """
+
+
+class SandboxSetupError(SandboxUnavailableError):
+    """A sandbox cannot be set up where its files are (a path bubblewrap cannot bind).
+
+    Raised when the sandbox is made, and by a command whose sandbox failed to start
+    (nothing of the command ran): never an observation or a graded patch.
+    """
+
+
 class OptionError(Error, ValueError):
     """An option is out of its allowed range or of the wrong type; the message names both."""
 

@@ -25,6 +25,7 @@ from tqdm import tqdm
 
 from branchgym.bench import source
 from branchgym.bench.common import Report
+from branchgym.executors import InProcessExecutor
 from branchgym.tree import TreeStats
 
 __all__ = ["configure", "main", "ENVS", "SOURCE_OVERHEAD", "SOURCE_TOKENS_SAVED"]
@@ -59,6 +60,27 @@ def configure(parser: argparse.ArgumentParser) -> None:
         default="generated",
         help="SWE-bench task set: generated (12 toys) or realistic (20 real-project tasks)",
     )
+    parser.add_argument(
+        "--swebench-backend",
+        default="local",
+        help="SWE-bench sandbox backend: local (overlay where it mounts, else git), overlay, "
+        "git, docker or docker-git",
+    )
+
+
+class _RestoreTimes(InProcessExecutor):
+    """The study's executor: it also keeps each restore's seconds (``seconds``)."""
+
+    def __init__(self) -> None:
+        """An in-process pool with no cap on instances."""
+        super().__init__()
+        self.seconds: list[float] = []
+
+    def restore(self, specs: Any, refs: Any, **kw: Any) -> list[Any]:
+        """Restore as usual; record how long each successful restore took."""
+        outs = super().restore(specs, refs, **kw)
+        self.seconds += [o.seconds for o in outs if o.error is None]
+        return outs
 
 
 def _grow(
@@ -175,7 +197,6 @@ def main(args: argparse.Namespace) -> int:
     from branchgym.agents.engines.hf import HFEngine
     from branchgym.agents.models import load_model, tiny_qwen2
     from branchgym.agents.policy import LLMPolicy
-    from branchgym.executors import InProcessExecutor
 
     n_trees = min(args.trees, 2) if args.quick else args.trees
     seeds = np.arange(n_trees)
@@ -190,7 +211,12 @@ def main(args: argparse.Namespace) -> int:
     envs = {e: ENVS.get(e, {}) for e in args.envs} if args.envs else dict(ENVS)
     if "branchgym/SWEBench-v0" in envs:
         tasks = getattr(args, "swebench_tasks", "generated")
-        envs["branchgym/SWEBench-v0"] = {**envs["branchgym/SWEBench-v0"], "tasks": tasks}
+        backend = getattr(args, "swebench_backend", "local")
+        envs["branchgym/SWEBench-v0"] = {
+            **envs["branchgym/SWEBench-v0"],
+            "tasks": tasks,
+            "backend": backend,
+        }
     from branchgym.registration import branch_spec
 
     for env_id in list(envs):  # adapters whose extra is not installed are left out, loudly
@@ -198,7 +224,7 @@ def main(args: argparse.Namespace) -> int:
         if missing:
             print(f"branching bench: {env_id} skipped (needs extra {', '.join(missing)})")
             del envs[env_id]
-    ex = InProcessExecutor()  # one env pool for the whole study
+    ex = _RestoreTimes()  # one env pool for the whole study
     for env_id, kwargs in envs.items():  # build the instances before anything is timed
         _grow(env_id, kwargs, policy, "group", "-", [0], teacher, ex)
     rows, data = [], {}
@@ -213,10 +239,14 @@ def main(args: argparse.Namespace) -> int:
         ]
     ]
     for env_id, setup, keep in tqdm(jobs, desc="branching bench"):
+        ex.seconds.clear()
         st = _grow(env_id, envs[env_id], policy, setup, keep, seeds, teacher, ex)
+        restores = list(ex.seconds)
         rollout_s = st.generate_s + st.env_s
         key = f"{env_id}|{setup}|{keep}"
         data[key] = st.as_dict()
+        data[key]["restore_median_s"] = float(np.median(restores)) if restores else None
+        data[key]["restores"] = len(restores)
         src_o = SOURCE_OVERHEAD.get(env_id)
         src_t = SOURCE_TOKENS_SAVED.get(env_id)
         rows.append(
@@ -233,6 +263,12 @@ def main(args: argparse.Namespace) -> int:
                 f"{100 * st.tokens_saved:.1f} %",
                 f"{1000 * st.snapshot_s / n_trees:.2f}",
                 f"{1000 * st.restore_s / n_trees:.2f}",
+                (
+                    f"{1000 * np.median(restores):.2f} / {1000 * np.mean(restores):.2f} "
+                    f"({len(restores)})"
+                )
+                if restores
+                else "-",
                 f"{rollout_s / n_trees:.2f}",
                 f"{100 * st.branching_overhead:.3f} %",
                 f"{st.peak_live_snapshots} / {st.peak_live_bytes}",
@@ -246,7 +282,9 @@ def main(args: argparse.Namespace) -> int:
     report.add(
         f"## Overhead and tokens saved\n\nPolicy: {args.model} model through LLMPolicy "
         f"(max {args.max_new_tokens} new tokens per action), the same for every env. "
-        f"{n_trees} trees (task seeds) per row; times are per tree. Overhead = "
+        f"{n_trees} trees (task seeds) per row; times are per tree, except the median and mean of "
+        "single restores (each into a free pool instance, as a sibling restores; n: how "
+        "many). Overhead = "
         "(snapshot + restore) / (generation + env steps). Tokens saved = 1 - generated / "
         "what independent rollouts to the same leaves generate. *keep*: how candidate "
         "states wait for the schedule (snapshot every step vs replay to the chosen). "
@@ -265,6 +303,7 @@ def main(args: argparse.Namespace) -> int:
                 "tokens saved",
                 "snapshot ms",
                 "restore ms",
+                "restore median / mean ms (n)",
                 "rollout s",
                 "overhead",
                 "peak live / bytes",

@@ -44,7 +44,13 @@ from branchgym.envs.swebench.tasks import (
     parse_task,
     verify_checkout,
 )
-from branchgym.error import DataError, ResetNeededError, SandboxError, SnapshotCorruptError
+from branchgym.error import (
+    DataError,
+    ResetNeededError,
+    SandboxError,
+    SandboxUnavailableError,
+    SnapshotCorruptError,
+)
 
 __all__ = [
     "SWEBenchEnv",
@@ -543,7 +549,9 @@ class SWEBenchEnv(SnapshottableEnv[str, str]):
     def _submit(self) -> tuple[str, float, bool, bool, dict[str, Any]]:
         try:
             patch = self.patch()
-        except SandboxError as exc:
+        except SandboxUnavailableError:
+            raise  # the sandbox did not start: no grade at all, never an empty patch
+        except SandboxError as exc:  # the agent broke .git: graded empty, and info says so
             patch, problem = "", str(exc)
         else:
             problem = ""
@@ -558,6 +566,8 @@ class SWEBenchEnv(SnapshottableEnv[str, str]):
             report=report.to_swebench()[report.instance_id],
             patch=patch,
         )
+        if problem:
+            info["patch_error"] = problem
         self.last_info = info
         return self.last_obs, float(report.resolved), True, False, dict(info)
 

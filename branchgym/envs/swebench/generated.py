@@ -27,7 +27,13 @@ import subprocess
 from collections.abc import Callable
 from pathlib import Path
 
-from branchgym.envs.swebench.tasks import DEFAULT_TEST_CMD, SWEBenchTask, cache_root, load_tasks
+from branchgym.envs.swebench.tasks import (
+    DEFAULT_TEST_CMD,
+    SWEBenchTask,
+    cache_folder,
+    cache_root,
+    load_tasks,
+)
 from branchgym.error import DataError
 
 __all__ = [
@@ -280,7 +286,7 @@ def _build_once(root: Path, name: str, build: Callable[[Path], list[dict]]) -> P
         return tasks_file
     if shutil.which("git") is None:
         raise DataError(f"the {name} SWE-bench tasks need git; install it (apt-get install git)")
-    root.parent.mkdir(parents=True, exist_ok=True)
+    cache_folder(root.parent)
     with open(f"{root}.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)  # concurrent test processes build it once
         if tasks_file.exists():

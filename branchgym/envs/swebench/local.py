@@ -53,6 +53,7 @@ import ctypes.util
 import dataclasses
 import errno
 import functools
+import hashlib
 import itertools
 import os
 import shutil
@@ -87,7 +88,12 @@ from branchgym.envs.swebench.sandbox import (
     tree_digest,
 )
 from branchgym.envs.swebench.tasks import SWEBenchTask, cache_root
-from branchgym.error import SandboxConfigError, SandboxError, SandboxUnavailableError
+from branchgym.error import (
+    SandboxConfigError,
+    SandboxError,
+    SandboxSetupError,
+    SandboxUnavailableError,
+)
 
 __all__ = [
     "wait_for_cleanup",
@@ -432,6 +438,23 @@ class _Store:
     def new_id(self) -> str:
         return f"{next(self._ids):x}"
 
+    def option_path(self, path: str) -> str:
+        """``path`` as overlayfs's mount options can hold it.
+
+        ``,`` separates options and ``:`` lower layers, so a folder whose name has one
+        (a checkout in a cache such as ``/data/a,b``) is named through a link in the
+        store, which overlayfs follows.
+        """
+        if not any(c in path for c in ",:\\"):
+            return path
+        alias = self.root / "a" / hashlib.blake2b(os.fsencode(path), digest_size=8).hexdigest()
+        alias.parent.mkdir(exist_ok=True)
+        try:
+            os.symlink(path, alias)
+        except FileExistsError:
+            pass
+        return str(alias)
+
     def new_layer(self) -> Path:
         return self.layers / self.new_id()
 
@@ -478,14 +501,10 @@ def _hidden_paths() -> list[str]:
     """Host folders commands must never see: the cache and the sandboxes' layers.
 
     The cache holds gold patches and the pristine checkouts grading starts from. Neither
-    is bound; where a toolchain path contains one, a tmpfs covers it (commands have no
-    capability to unmount it).
+    is bound; where a bound folder (toolchain or system) contains one, a read-only tmpfs
+    covers it (commands have no capability to unmount it).
     """
-    out = []
-    for p in (cache_root(), work_root()):
-        p = p.resolve() if p.exists() else p
-        out.append(str(p))
-    return out
+    return [os.path.realpath(p) for p in (cache_root(), work_root())]
 
 
 #: Top-level system folders bound read-only (or recreated as the same symlinks).
@@ -523,7 +542,9 @@ def _system_args(etc_dir: Path) -> tuple[str, ...]:
     for name in _SYSTEM_DIRS:
         p = f"/{name}"
         if os.path.islink(p):
-            args += ["--symlink", os.readlink(p), p]
+            # Relative, so bubblewrap can create mount points through it while it sets up
+            # the new root (it resolves an absolute link target against its own root).
+            args += ["--symlink", _relative_link(p), p]
         elif os.path.isdir(p):
             args += ["--ro-bind", p, p]
     for name in _ETC_ALLOW:
@@ -558,6 +579,100 @@ def interpreter_paths() -> list[str]:
 
 def _covers(outer: str, inner: str) -> bool:
     return inner == outer or inner.startswith(outer.rstrip("/") + "/")
+
+
+def _relative_link(link: str) -> str:
+    """``link``'s target, made relative to its folder when it is absolute."""
+    target = os.readlink(link)
+    if not target.startswith("/"):
+        return target
+    return os.path.relpath(target, os.path.dirname(link))
+
+
+def _system_trees() -> list[str]:
+    """Host paths the system part of every sandbox shows as they are (read-only)."""
+    trees = [f"/{n}" for n in _SYSTEM_DIRS if not os.path.islink(f"/{n}")]
+    trees = [t for t in trees if os.path.isdir(t)]
+    return trees + [f"/etc/{n}" for n in _ETC_ALLOW if os.path.lexists(f"/etc/{n}")]
+
+
+#: Paths every bubblewrap sandbox makes itself: a host link at one of them is not made.
+_SANDBOX_MADE = ("/tmp", "/var/tmp", "/run", "/etc", WORKDIR)
+#: Trees of the sandbox's own (kernel file systems, the repository): nothing is made there.
+_SANDBOX_TREES = ("/proc", "/dev", WORKDIR)
+
+
+def _link_chain(path: str) -> list[tuple[str, str]]:
+    """The symbolic links the host follows to resolve ``path``, as (target, link) pairs.
+
+    Each link's folder holds no link itself (the walk stops at the first link of a
+    path and continues with its target), so the same link made in a sandbox resolves
+    there as on the host.
+    """
+    out: list[tuple[str, str]] = []
+    for _ in range(40):  # the kernel's own limit on links followed
+        cur = ""
+        parts = [part for part in path.split("/") if part]
+        for i, name in enumerate(parts):
+            cur += "/" + name
+            if os.path.islink(cur):
+                target = os.readlink(cur)
+                out.append((target, cur))
+                path = os.path.normpath(os.path.join(os.path.dirname(cur), target, *parts[i + 1 :]))
+                break
+        else:
+            return out
+    return out
+
+
+def _mount_plan(paths: tuple[str, ...], hidden: tuple[str, ...]) -> tuple[str, ...]:
+    """Bubblewrap arguments that show each of ``paths`` read-only at its host path.
+
+    Each path is bound at its real path (no link in it, so bubblewrap can always create
+    the mount point: nothing of the host's layout is assumed), and the links the host
+    follows to reach it from the name given are made as the same links, so both names
+    work, wherever the cache or the interpreter lives (``/var/tmp``, names with spaces,
+    a home or cache folder that is a link). A ``hidden`` folder that a bound tree would
+    show (the cache under a toolchain or system folder) gets an empty read-only tmpfs,
+    and the paths inside it are bound again on top. Computed for every command (a few
+    ``stat`` calls): a cache folder made later is hidden as soon as it exists.
+    """
+    system = _system_trees()
+    reals = list(dict.fromkeys(os.path.realpath(p) for p in paths))
+    # A path strictly inside a hidden folder (a venv in the cache) is bound after the
+    # folder's tmpfs; one that is or holds a hidden folder, before it (the tmpfs wins).
+    outside = [r for r in reals if not any(_covers(h, r) and r != h for h in hidden)]
+    covered = [
+        h for h in hidden if os.path.isdir(h) and any(_covers(t, h) for t in [*system, *outside])
+    ]
+    inside = [r for r in reals if r not in outside]
+    args: list[str] = []
+    for r in sorted(outside, key=len):  # parents first: a nested bind stays on top
+        args += ["--ro-bind", r, r]
+    for h in covered:
+        args += ["--tmpfs", h]
+    for r in sorted(inside, key=len):
+        args += ["--ro-bind", r, r]
+    for h in covered:
+        args += ["--remount-ro", h]
+    visible = [*system, *outside]
+    links: dict[str, str] = {}
+    for p in paths:
+        for target, link in _link_chain(p):
+            if link in _SANDBOX_MADE or any(_covers(m, link) for m in _SANDBOX_TREES):
+                continue  # the sandbox's own /var/tmp, /proc ...: not the host's
+            shown = any(_covers(t, link) for t in visible) and not any(
+                _covers(h, link) for h in covered
+            )
+            if not shown:
+                links.setdefault(link, target)
+    for link, target in links.items():
+        args += ["--symlink", target, link]
+    return tuple(args)
+
+
+#: Mount configurations a sandbox was started with in this process (``_Runner.check``).
+_STARTED: set[tuple[object, ...]] = set()
 
 
 class _Runner:
@@ -598,6 +713,7 @@ class _Runner:
         self.path = f"{os.path.dirname(sys.executable)}:" + default_env()["PATH"]
         #: Source roots (relative) put on PYTHONPATH without isolation (see for_python).
         self.python_roots: tuple[str, ...] = ()
+        self._checked = False  # check() passed
 
     def for_python(self, env: RepoEnvironment) -> _Runner:
         """This runner with a task's own environment: its venv first on PATH, bound read-only.
@@ -609,6 +725,7 @@ class _Runner:
         runner.toolchain = list(dict.fromkeys([*self.toolchain, *env.binds]))
         runner.path = f"{env.bin_dir}:{self.path}"
         runner.python_roots = env.roots
+        runner._checked = False
         return runner
 
     @staticmethod
@@ -664,14 +781,12 @@ class _Runner:
         argv += ["--proc", "/proc", "--dev", "/dev"]
         if self.limits.tmp is not None:
             argv += ["--size", str(self.limits.tmp)]
-        argv += ["--tmpfs", "/tmp", "--tmpfs", "/run", "--symlink", "/tmp", "/var/tmp"]
+        # /var/tmp is the same tmpfs; the link is relative so that bubblewrap can create
+        # mount points through it (a venv in a cache under /var/tmp).
+        argv += ["--tmpfs", "/tmp", "--tmpfs", "/run", "--symlink", "../tmp", "/var/tmp"]
         # After the private /tmp, so an interpreter installed under /tmp stays visible.
-        toolchain = list(dict.fromkeys([*interpreter_paths(), *self.toolchain]))
-        for p in toolchain:
-            argv += ["--ro-bind", p, p]
-        for hidden in _hidden_paths():
-            if any(_covers(p, hidden) for p in toolchain):
-                argv += ["--tmpfs", hidden]
+        toolchain = tuple(dict.fromkeys([*interpreter_paths(), *self.toolchain]))
+        argv += _mount_plan(toolchain, tuple(_hidden_paths()))
         argv += ["--bind", str(host_dir), WORKDIR, "--chdir", WORKDIR]
         return argv
 
@@ -698,7 +813,14 @@ class _Runner:
                 cwd = str(host_dir) + cwd[len(WORKDIR) :]
             argv = ["bash", "-c", f"{prefix}cd -- {_quote(cwd)} || exit 1\n{command}"]
         else:
-            script = f"{prefix}cd -- {_quote(cwd)} || exit 1\n{command}"
+            # The first thing the shell does inside the sandbox is write to this pipe (then
+            # close it): no byte means bubblewrap (or the cgroup join) failed and nothing
+            # of the command ran, which the command's own output could never fake.
+            started_r, started_w = os.pipe()
+            script = (
+                f"printf 1 >&{started_w}; exec {started_w}>&-\n"
+                f"{prefix}cd -- {_quote(cwd)} || exit 1\n{command}"
+            )
             argv = [*self._bwrap_argv(host_dir), "--", "bash", "-c", script]
         if group is not None:
             argv = [*group.argv_prefix(), *argv]
@@ -709,12 +831,60 @@ class _Runner:
                 env=env,
                 cwd=host_dir if self.isolation == "none" else None,
                 head_cap=self.limits.output,
+                pass_fds=() if self.isolation == "none" else (started_w,),
             )
             hit = group.hit() if group is not None else {}
         finally:
             if group is not None:
                 group.close()
+            if self.isolation != "none":
+                os.close(started_w)
+                os.set_blocking(started_r, False)
+                try:
+                    started = os.read(started_r, 1) == b"1"
+                except BlockingIOError:
+                    started = False
+                os.close(started_r)
+        if self.isolation != "none" and not started:
+            raise self.setup_error(res)
         return dataclasses.replace(res, limit=self._limit_hit(res, hit, disk_dir, full_before))
+
+    def setup_error(self, res: ExecResult) -> SandboxSetupError:
+        """The error of a command whose sandbox did not start (``res``: what bwrap printed)."""
+        said = res.text.strip()[-1000:] or f"exit code {res.exit_code}, no output"
+        if res.timed_out:
+            said = f"it did not start within the timeout ({said})"
+        paths = list(dict.fromkeys([*interpreter_paths(), *self.toolchain]))
+        return SandboxSetupError(
+            f"the sandbox could not be set up, so nothing of the command ran: {said}. "
+            f"Every command's sandbox binds these host folders read-only: {paths} (the "
+            f"interpreter, the task's environment under the branchgym cache "
+            f"{os.fspath(cache_root())!r}, the toolchain). Check that each exists and can "
+            "be read, or point BRANCHGYM_CACHE at a local folder (e.g. ~/.cache/branchgym "
+            "or /var/tmp/branchgym) and build the environments again."
+        )
+
+    def check(self) -> None:
+        """Start one sandbox (``true``) unless this runner did already; refuse if it fails.
+
+        Raises:
+            SandboxSetupError: bubblewrap cannot set up sandboxes with these paths.
+        """
+        if self.isolation == "none" or self._checked:
+            return
+        # What the mounts depend on: runners of other env instances with the same paths
+        # need no probe of their own (a pool instance meeting a task it has not run),
+        # unless a bound folder has gone since.
+        key = (tuple(self.toolchain), tuple(_hidden_paths()), self.limits.tmp)
+        there = all(map(os.path.isdir, [*interpreter_paths(), *self.toolchain]))
+        if key not in _STARTED or not there:
+            probe = Path(tempfile.mkdtemp(prefix="branchgym-probe-"))
+            try:
+                self.run(probe, "true", WORKDIR, None, 60.0)
+            finally:
+                shutil.rmtree(probe, ignore_errors=True)
+            _STARTED.add(key)
+        self._checked = True
 
     def _limit_hit(
         self, res: ExecResult, hit: Mapping[str, int], disk_dir: Path | None, full_before: bool
@@ -1087,9 +1257,6 @@ class OverlaySandbox(_LocalSandbox):
         self.redirect_dir = redirect_dir
         self.index = index
         self._index_on = False  # the current mount has index=on
-        for layer in stack:
-            if "," in layer or ":" in layer:
-                raise SandboxError(f"overlay layer paths cannot contain ',' or ':': {layer}")
         self.max_layers = max_layers
         self.dir = store.boxes / store.new_id()
         self.rw, self.merged = self.dir / "rw", self.dir / "m"
@@ -1129,8 +1296,9 @@ class OverlaySandbox(_LocalSandbox):
         try:
             for wait in (0.001, 0.004, 0.016, 0.064, 0.25, 1.0, None):
                 try:
+                    lowers = tuple(map(self.store.option_path, stack))
                     _mount_overlay(
-                        self.merged, stack, self.upper, self.work, self.redirect_dir, index
+                        self.merged, lowers, self.upper, self.work, self.redirect_dir, index
                     )
                     break
                 except OSError as exc:
@@ -1600,6 +1768,7 @@ class LocalBackend:
     def create(self, task: object, checkout: Path) -> Sandbox:
         """A sandbox whose /testbed starts as ``checkout`` (never modified)."""
         runner = self.runner_for(task, checkout)
+        runner.check()  # refuse here, not at the first command, where sandboxes cannot start
         if self.mode == "overlay":
             return OverlaySandbox(
                 self.store, runner, (str(checkout),), max_layers=self.max_layers,
@@ -1617,6 +1786,7 @@ class LocalBackend:
         """
         snap.check()
         runner = self.runner if checkout is None else self.runner_for(task, checkout)
+        runner.check()
         if isinstance(snap, OverlaySnapshot) and self.mode == "overlay":
             return OverlaySandbox(
                 self.store, runner, snap.stack, max_layers=self.max_layers,

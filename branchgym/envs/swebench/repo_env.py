@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import dataclasses
 import fcntl
+import functools
 import hashlib
 import json
 import os
@@ -37,8 +38,8 @@ from collections.abc import Mapping
 from pathlib import Path
 
 from branchgym.envs.swebench.sandbox import WORKDIR
-from branchgym.envs.swebench.tasks import SWEBenchTask, cache_root
-from branchgym.error import RepoEnvironmentError, SandboxConfigError
+from branchgym.envs.swebench.tasks import SWEBenchTask, cache_folder, cache_root
+from branchgym.error import CacheLocationError, RepoEnvironmentError, SandboxConfigError
 
 __all__ = ["RepoEnvironment", "repo_environment", "resolve_python_env", "installable"]
 
@@ -160,8 +161,14 @@ def _check_python(path: str | os.PathLike[str]) -> str:
     return os.path.abspath(path)
 
 
-def _prefixes(python: str) -> list[str]:
-    """The installation folders of ``python`` outside /usr (to bind read-only)."""
+@functools.cache
+def _prefixes(python: str) -> tuple[str, ...]:
+    """The installation folders of ``python`` outside /usr (to bind read-only).
+
+    Asked once per interpreter and process: starting it costs 100-200 ms, which every
+    env instance paid again for each task it met (a restore of another task's snapshot
+    into a pool instance).
+    """
     code = (
         "import sys, os, json; print(json.dumps(sorted({os.path.realpath(p) for p in "
         "(sys.prefix, sys.exec_prefix, sys.base_prefix, sys.base_exec_prefix)} | "
@@ -177,7 +184,7 @@ def _prefixes(python: str) -> list[str]:
             continue
         if os.path.isdir(p) and not any(p.startswith(k.rstrip("/") + "/") for k in keep):
             keep.append(p)
-    return keep
+    return tuple(keep)
 
 
 def _key(task: SWEBenchTask, base_python: str) -> str:
@@ -208,11 +215,19 @@ def repo_environment(
             how to provide them).
     """
     base_python = base_python or sys.executable
-    folder = Path(root) if root else cache_root() / "swebench" / "envs"
+    # The real path: sandboxes bind it there and put its bin/ on PATH, whatever links
+    # (a home or cache folder that is a link) lead to it.
+    folder = Path(os.path.realpath(Path(root) if root else cache_root() / "swebench" / "envs"))
     target = folder / _key(task, base_python)
+    if os.pathsep in os.fspath(target):
+        raise CacheLocationError(
+            f"the environment of {task.repo} would be {os.fspath(target)!r}, whose name holds "
+            f"{os.pathsep!r}, the PATH separator: its bin/ cannot go on PATH (and venv refuses "
+            "it). Set BRANCHGYM_CACHE to a folder whose path has no ':' (e.g. /var/tmp/branchgym)."
+        )
     meta = target / "env.json"
     if not meta.exists():
-        folder.mkdir(parents=True, exist_ok=True)
+        cache_folder(folder)
         with open(f"{target}.lock", "w") as lock:
             fcntl.flock(lock, fcntl.LOCK_EX)  # concurrent processes build it once
             if not meta.exists():

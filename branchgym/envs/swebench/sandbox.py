@@ -340,11 +340,13 @@ def run_captured(
     cwd: str | Path | None = None,
     stdin: bytes | None = None,
     head_cap: int = CAPTURE_HEAD,
+    pass_fds: Sequence[int] = (),
 ) -> ExecResult:
     """Run ``argv`` with stdout+stderr captured (head and tail kept past the cap).
 
     On timeout the whole process group is killed (and with it a bubblewrap sandbox's
-    PID namespace, since bubblewrap dies with its parent).
+    PID namespace, since bubblewrap dies with its parent). ``pass_fds`` stay open in
+    the child (at the same numbers).
     """
     t0 = time.perf_counter()
     proc = subprocess.Popen(
@@ -355,6 +357,7 @@ def run_captured(
         env=dict(env) if env is not None else None,
         cwd=cwd,
         start_new_session=True,
+        pass_fds=tuple(pass_fds),
     )
     if stdin is not None:
         assert proc.stdin is not None  # noqa: S101 - set by Popen above

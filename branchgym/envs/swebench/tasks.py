@@ -26,13 +26,14 @@ from pathlib import Path
 from typing import Any
 
 from branchgym.envs.swebench.sandbox import tree_digest
-from branchgym.error import DataError
+from branchgym.error import CacheLocationError, DataError
 
 __all__ = [
     "SWEBenchTask",
     "load_tasks",
     "parse_task",
     "cache_root",
+    "cache_folder",
     "find_repo",
     "ensure_checkout",
     "verify_checkout",
@@ -286,6 +287,34 @@ def cache_root() -> Path:
     return base.expanduser()
 
 
+def cache_folder(folder: str | os.PathLike[str]) -> Path:
+    """Make ``folder`` (inside the cache) and check branchgym can write there.
+
+    Building task sets, checkouts and environments writes to the cache; once built they
+    are only read, so a cache built elsewhere can be used read-only.
+
+    Raises:
+        CacheLocationError: the folder cannot be made or written (a read-only parent,
+            no permission); the message says what to set ``BRANCHGYM_CACHE`` to.
+    """
+    folder = Path(folder)
+    try:
+        # Through the real path: a link whose target does not exist yet gets it made.
+        Path(os.path.realpath(folder)).mkdir(parents=True, exist_ok=True)
+        problem = "" if os.access(folder, os.W_OK | os.X_OK) else "it is not writable"
+    except OSError as exc:
+        problem = exc.strerror or str(exc)
+    if problem:
+        raise CacheLocationError(
+            f"the branchgym cache {os.fspath(cache_root())!r} cannot be written at "
+            f"{os.fspath(folder)!r} ({problem}), and building the SWE-bench tasks and "
+            "environments writes there. Set BRANCHGYM_CACHE to a writable folder (e.g. "
+            "/var/tmp/branchgym or ~/.cache/branchgym), or build the cache once where it is "
+            "writable and mount it read-only afterwards."
+        )
+    return folder
+
+
 def find_repo(repo: str, repos_dir: str | os.PathLike[str]) -> Path:
     """The local clone of ``owner/name`` inside ``repos_dir``.
 
@@ -333,7 +362,7 @@ def ensure_checkout(task: SWEBenchTask, repos_dir: str | os.PathLike[str]) -> Pa
     dest = cache_root() / "swebench" / "checkouts" / f"{task.instance_id}-{task.base_commit[:12]}"
     if (dest / ".branchgym-ready").exists():
         return dest / "repo"
-    dest.parent.mkdir(parents=True, exist_ok=True)
+    cache_folder(dest.parent)
     with open(f"{dest}.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)  # one builder per checkout, across processes
         if (dest / ".branchgym-ready").exists():
