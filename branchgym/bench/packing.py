@@ -116,7 +116,7 @@ def main(args: argparse.Namespace) -> int:
         "s",
         "tokens/s",
         "row tokens/s",
-        "max |dlogp|",
+        "max abs dlogp",
         "plan picks",
     ]
     table = []

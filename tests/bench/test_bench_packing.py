@@ -21,6 +21,6 @@ def test_packing_study_runs_and_the_paths_agree(tmp_path):
     assert [r["path"] for r in rows[:3]] == ["rows, causal", "rows, 4-D mask", "tree, 4-D mask"]
     assert len(rows) == 6  # two workloads
     assert rows[2]["tokens"] == 16 + 3 * 4  # the prompt read once
-    assert all(float(r["max |dlogp|"]) < 1e-4 for r in rows)  # the same log-probs
+    assert all(float(r["max abs dlogp"]) < 1e-4 for r in rows)  # the same log-probs
     assert rows[2]["plan picks"] == "tree"  # a 16-token prompt shared by 3 rows pays
     assert data["tiny"]["exact"]
