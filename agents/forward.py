@@ -10,9 +10,9 @@
   token where it leaves the rows before it), each shared prefix is read once per forward
   pass instead of once per path, with the same log-probs (the 4-D mask and position ids
   give every token exactly the context it had in its own row).
-* :func:`plan_packs`: tree packing where it pays. A tree is merged when the merged pack
-  costs less than its rows (:func:`pass_cost`: tokens, plus the attention pairs a 4-D mask
-  computes densely); a tree whose rows share no prefix keeps its rows, and rows without
+* :func:`plan_packs`: tree packing where it pays. A tree's rows go into the number of
+  merged packs that costs least (:func:`pass_cost`: tokens, plus the attention pairs a 4-D
+  mask computes densely); a tree whose rows share no prefix keeps its rows, and rows without
   side branches go through the plain causal path (``bucketed_forward`` never gives them
   a 4-D mask because another pack of the pass needs one).
 * :func:`packing_exact`: whether a model computes a packed pass exactly (None) or why
@@ -278,12 +278,14 @@ def pass_cost(lengths: Sequence[int], pair: float) -> float:
 def plan_packs(
     packs: Sequence[Pack], trees: Sequence[Any] | None, *, pair: float = 1e-3
 ) -> tuple[list[Pack], list[PackedTree]]:
-    """The packs a forward pass reads: each tree merged by :func:`pack_trees` where it pays.
+    """The packs a forward pass reads: each tree's rows merged by :func:`pack_trees` where it pays.
 
-    A tree is merged when its merged pack costs less (:func:`pass_cost`) than its packs
-    one by one; otherwise (its rows share no prefix, or too little for the longer
-    sequence's attention) they stay as they are. Exact either way: the choice changes
-    which tokens are read once, never a log-prob. ``trees=None`` keeps every pack.
+    A tree's rows go into the number of merged packs (consecutive rows each) whose
+    :func:`pass_cost` is lowest: one pack reads every shared prefix once, but its dense
+    4-D mask grows with the square of its length, so a tree with long branches may be
+    read fastest as a few packs (the prefix once per pack), and a tree whose rows share
+    nothing as its rows. Exact either way: the choice changes how often a prefix is
+    read, never a log-prob. ``trees=None`` keeps every pack.
 
     Returns:
         The packs and, per input pack, where it went (:class:`PackedTree`).
@@ -291,24 +293,32 @@ def plan_packs(
     if trees is None:
         plain = list(packs)
         return plain, [PackedTree(i, 0, list(range(len(p.tokens)))) for i, p in enumerate(plain)]
-    merged, where = pack_trees(packs, trees)
-    members: dict[int, list[int]] = {}
-    for i, w in enumerate(where):
-        members.setdefault(w.pack, []).append(i)
+    members: dict[Any, list[int]] = {}
+    for i, key in enumerate(trees):
+        members.setdefault(key, []).append(i)
     out: list[Pack] = []
     placed: list[PackedTree | None] = [None] * len(packs)
-    for m, pack in enumerate(merged):
-        own = members[m]
-        if len(own) > 1 and pass_cost([len(pack.tokens)], pair) < pass_cost(
-            [len(packs[i].tokens) for i in own], pair
-        ):
+    for own in members.values():
+        n = len(own)
+        best = pass_cost([len(packs[i].tokens) for i in own], pair)
+        plan: tuple[list[Pack], list[PackedTree]] | None = None  # None: the rows as they are
+        # one pack, or a few (at most 8, or one per row): the candidates stay cheap to build
+        for k in sorted({-(-n // g) for g in range(1, min(n, 8) + 1)}, reverse=True):
+            if k == 1:
+                continue
+            merged, where = pack_trees([packs[i] for i in own], [j // k for j in range(n)])
+            cost = pass_cost([len(m.tokens) for m in merged], pair)
+            if cost < best:
+                best, plan = cost, (merged, where)
+        if plan is None:
             for i in own:
-                placed[i] = PackedTree(len(out), where[i].offset, where[i].index)
-            out.append(pack)
+                placed[i] = PackedTree(len(out), 0, list(range(len(packs[i].tokens))))
+                out.append(packs[i])
             continue
-        for i in own:
-            placed[i] = PackedTree(len(out), 0, list(range(len(packs[i].tokens))))
-            out.append(packs[i])
+        merged, where = plan
+        for i, w in zip(own, where, strict=True):
+            placed[i] = PackedTree(len(out) + w.pack, w.offset, w.index)
+        out.extend(merged)
     return out, [w for w in placed if w is not None]
 
 

