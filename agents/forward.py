@@ -10,6 +10,13 @@
   token where it leaves the rows before it), each shared prefix is read once per forward
   pass instead of once per path, with the same log-probs (the 4-D mask and position ids
   give every token exactly the context it had in its own row).
+* :func:`plan_packs`: tree packing where it pays. A tree's rows go into the number of
+  merged packs that costs least (:func:`pass_cost`: tokens, plus the attention pairs a 4-D
+  mask computes densely); a tree whose rows share no prefix keeps its rows, and rows without
+  side branches go through the plain causal path (``bucketed_forward`` never gives them
+  a 4-D mask because another pack of the pass needs one).
+* :func:`packing_exact`: whether a model computes a packed pass exactly (None) or why
+  not (flash-attention kernels and sliding windows ignore a custom 4-D mask).
 """
 
 from __future__ import annotations
@@ -35,6 +42,9 @@ __all__ = [
     "length_buckets",
     "pack_trees",
     "packed_forward",
+    "packing_exact",
+    "pass_cost",
+    "plan_packs",
 ]
 
 
@@ -75,6 +85,7 @@ def packed_forward(
     device: torch.device,
     *,
     logit_positions: Sequence[Sequence[int]] | None = None,
+    dense_mask: bool = False,
 ) -> tuple[list[Tensor], list[Tensor]]:
     """Log-prob of every target of every pack, in one padded forward pass.
 
@@ -82,6 +93,8 @@ def packed_forward(
     4-D boolean mask (side branches see their attach prefix and themselves) and explicit
     position ids. Only hidden states that predict a target go through the output layer,
     so a large vocabulary costs ``(targets x V)``, not ``(positions x V)``.
+    ``dense_mask`` gives plain packs the 4-D mask too (the same causal pattern; the
+    benchmark's same-tokens comparison of the two paths).
 
     Returns:
         Per pack, a tensor of its targets' log-probs; and per pack the full next-token
@@ -90,7 +103,7 @@ def packed_forward(
     width = max(len(p.tokens) for p in packs)
     ids = torch.zeros(len(packs), width, dtype=torch.long)
     pos = torch.zeros(len(packs), width, dtype=torch.long)
-    branched = any(p.segments for p in packs)
+    branched = dense_mask or any(p.segments for p in packs)
     if branched:
         att = torch.eye(width, dtype=torch.bool).repeat(len(packs), 1, 1)  # padding: self only
     else:
@@ -234,6 +247,105 @@ def pack_trees(packs: Sequence[Pack], keys: Sequence[Any]) -> tuple[list[Pack], 
     return merged, where
 
 
+def pair_cost(model: Any) -> float:
+    """One attention pair's cost in units of one token's linear layers (from the config).
+
+    Per layer a token costs about twice the layer's weights in FLOPs; a (query, key) pair
+    costs ``4 x hidden`` (scores and the weighted sum), times :data:`ATTENTION_PENALTY`
+    (a masked attention kernel runs below matmul speed). Without a config: ``1e-3``.
+    """
+    cfg = getattr(model, "config", None)
+    hidden = getattr(cfg, "hidden_size", None)
+    if not hidden:
+        return 1e-3
+    heads = getattr(cfg, "num_attention_heads", None) or 1
+    kv = getattr(cfg, "num_key_value_heads", None) or heads
+    ff = getattr(cfg, "intermediate_size", None) or 4 * hidden
+    weights = hidden * hidden * (2 + 2 * kv / heads) + 3 * hidden * ff
+    return ATTENTION_PENALTY * 4 * hidden / (2 * weights)
+
+
+#: How much slower a masked attention pair runs than the FLOP count says, against matmuls
+#: (``branchgym bench packing`` on CPU; docs/learners.md, Memory).
+ATTENTION_PENALTY = 2.0
+
+
+def pass_cost(lengths: Sequence[int], pair: float) -> float:
+    """Cost of forwarding sequences of ``lengths``: tokens plus ``pair`` per attention pair."""
+    return float(sum(n + pair * n * n for n in lengths))
+
+
+def plan_packs(
+    packs: Sequence[Pack], trees: Sequence[Any] | None, *, pair: float = 1e-3
+) -> tuple[list[Pack], list[PackedTree]]:
+    """The packs a forward pass reads: each tree's rows merged by :func:`pack_trees` where it pays.
+
+    A tree's rows go into the number of merged packs (consecutive rows each) whose
+    :func:`pass_cost` is lowest: one pack reads every shared prefix once, but its dense
+    4-D mask grows with the square of its length, so a tree with long branches may be
+    read fastest as a few packs (the prefix once per pack), and a tree whose rows share
+    nothing as its rows. Exact either way: the choice changes how often a prefix is
+    read, never a log-prob. ``trees=None`` keeps every pack.
+
+    Returns:
+        The packs and, per input pack, where it went (:class:`PackedTree`).
+    """
+    if trees is None:
+        plain = list(packs)
+        return plain, [PackedTree(i, 0, list(range(len(p.tokens)))) for i, p in enumerate(plain)]
+    members: dict[Any, list[int]] = {}
+    for i, key in enumerate(trees):
+        members.setdefault(key, []).append(i)
+    out: list[Pack] = []
+    placed: list[PackedTree | None] = [None] * len(packs)
+    for own in members.values():
+        n = len(own)
+        best = pass_cost([len(packs[i].tokens) for i in own], pair)
+        plan: tuple[list[Pack], list[PackedTree]] | None = None  # None: the rows as they are
+        # one pack, or a few (at most 8, or one per row): the candidates stay cheap to build
+        for k in sorted({-(-n // g) for g in range(1, min(n, 8) + 1)}, reverse=True):
+            if k == 1:
+                continue
+            merged, where = pack_trees([packs[i] for i in own], [j // k for j in range(n)])
+            cost = pass_cost([len(m.tokens) for m in merged], pair)
+            if cost < best:
+                best, plan = cost, (merged, where)
+        if plan is None:
+            for i in own:
+                placed[i] = PackedTree(len(out), 0, list(range(len(packs[i].tokens))))
+                out.append(packs[i])
+            continue
+        merged, where = plan
+        for i, w in zip(own, where, strict=True):
+            placed[i] = PackedTree(len(out) + w.pack, w.offset, w.index)
+        out.extend(merged)
+    return out, [w for w in placed if w is not None]
+
+
+def packing_exact(model: Any) -> str | None:
+    """None when the model computes packed passes exactly; else why it does not.
+
+    A packed pass hands the model a 4-D mask: eager and SDPA attention apply it as given.
+    Flash-attention kernels take no custom mask (they would attend across branches), and a
+    sliding window built from positions is not applied to a custom mask, so a tree
+    longer than the window would see tokens its own row could not.
+    """
+    inner = model.get_base_model() if hasattr(model, "get_base_model") else model
+    cfg = getattr(inner, "config", None)
+    if cfg is None:
+        return None
+    impl = getattr(cfg, "_attn_implementation", None) or "eager"
+    if impl not in ("eager", "sdpa"):
+        return f"attention {impl!r} takes no 4-D mask (eager and sdpa do)"
+    layer_types = getattr(cfg, "layer_types", None) or []
+    windowed = "sliding_attention" in layer_types or (
+        getattr(cfg, "sliding_window", None) and getattr(cfg, "use_sliding_window", False)
+    )
+    if windowed:
+        return "the model has sliding-window layers, which a custom 4-D mask bypasses"
+    return None
+
+
 #: Padded tokens (rows x longest row) per forward pass of :func:`bucketed_forward`.
 FORWARD_TOKENS = 8_192
 
@@ -269,10 +381,12 @@ def bucketed_forward(
     """:func:`packed_forward` over :func:`length_buckets`; results in the packs' order.
 
     ``trees`` (a key per pack, e.g. its rollout tree) turns on tree packing: packs of one
-    key are merged by :func:`pack_trees` and their results read back per input pack.
+    key are merged where it pays (:func:`plan_packs`) and their results read back per
+    input pack. Packs without side branches and packs with them go through separate
+    passes, so plain rows keep the causal path.
     """
     if trees is not None:
-        merged, where = pack_trees(packs, trees)
+        merged, where = plan_packs(packs, trees, pair=pair_cost(model))
         positions = None
         if logit_positions is not None:
             positions = [[] for _ in merged]
@@ -291,7 +405,14 @@ def bucketed_forward(
             rows.append(extra[w.pack][taken[w.pack] : taken[w.pack] + len(pos)])
             taken[w.pack] += len(pos)
         return out, rows
-    buckets = length_buckets([len(p.tokens) for p in packs], FORWARD_TOKENS)
+    kinds = [[i for i, p in enumerate(packs) if not p.segments]]
+    kinds.append([i for i, p in enumerate(packs) if p.segments])
+    buckets = [
+        [kind[j] for j in b]
+        for kind in kinds
+        if kind
+        for b in length_buckets([len(packs[i].tokens) for i in kind], FORWARD_TOKENS)
+    ]
     if len(buckets) == 1:
         return packed_forward(model, packs, device, logit_positions=logit_positions)
     scores: dict[int, Tensor] = {}

@@ -129,9 +129,12 @@ class TrainArgs:
     """Token budget of one forward/backward pass inside an update (0: ``micro_batch_rows``
     decides). Chunks may split a prompt group; the chunk weights keep the accumulated
     gradient equal to one pass (Bellman PO, whose loss reads whole groups, cuts at groups)."""
-    pack_trees: bool = False
-    """Tree packing: the rows of one rollout tree go through one packed sequence, so the
-    prefix they share is read once per forward pass, not once per path."""
+    pack_trees: bool = True
+    """Tree packing: the rows of one rollout tree (a group's independent rollouts are one
+    tree whose root is the prompt) go through one packed sequence, so the prefix they
+    share is read once per forward pass (policy, reference, teacher), not once per row.
+    Exact, so on by default; a tree whose rows share too little keeps its rows, and a
+    model that ignores 4-D masks (flash attention, sliding windows) turns it off."""
     save_optimizer: bool = True
     """Save the optimizer state in checkpoints (needed to resume exactly; off: weights,
     or adapters, only)."""

@@ -79,7 +79,11 @@ from branchgym.agents.forward import (
     Pack,
     bucketed_forward,
     length_buckets,
+    pack_trees,
     packed_forward,
+    packing_exact,
+    pair_cost,
+    plan_packs,
 )
 from branchgym.agents.lr_schedules import LR_SCHEDULES
 from branchgym.agents.memory import MasterWeights, token_chunks, training_mode
@@ -283,6 +287,10 @@ class Run:
             from branchgym.agents.vllm_training import start_worker
 
             self.engine = start_worker(self)
+        why = packing_exact(self.model) if args.pack_trees else None
+        if why:  # packing would change log-probs here: rows are read one by one
+            warnings.warn(f"pack_trees is off: {why}.", stacklevel=2)
+            args.pack_trees = False
         name = args.policy
         if name == "auto":
             name = "scoring" if args.model == "tiny" else "generate"
@@ -639,7 +647,31 @@ class Run:
             if key in out:
                 merged[key] = out[key][-1]
         merged["update/count"] = float(len(batch.minibatches(self.args.updates_per_batch)))
+        merged.update(self.token_counts(batch))
         return merged
+
+    def token_counts(self, batch: Batch) -> dict[str, float]:
+        """Tokens one pass of the policy over the batch reads, against its distinct tokens.
+
+        ``tokens/learner``: the tokens the forward passes read, chunked as the update
+        chunks them; ``tokens/unique``: every tree's rows with each shared prefix once.
+        They are equal when tree packing is on and no chunk splits a tree.
+        """
+
+        def packs(rows: Sequence[Row]) -> tuple[list[Pack], list[int]]:
+            pieces = [(r, s) for r in rows if r.decisions for s in self.kind.runs(self.policy, r)]
+            out, _ = self.kind.packs(self.policy, [s for _, s in pieces])
+            return out, [r.tree for r, _ in pieces]
+
+        pair, learner = pair_cost(self.model), 0
+        for mb in {tuple(m) for m in batch.minibatches(self.args.updates_per_batch)}:
+            for c in self.chunks(batch, list(mb)):
+                ps, keys = packs([batch.rows[r] for r in c])
+                read, _ = plan_packs(ps, keys if self.args.pack_trees else None, pair=pair)
+                learner += sum(len(p.tokens) for p in read)
+        ps, keys = packs(batch.rows)
+        unique = sum(len(p.tokens) for p in pack_trees(ps, keys)[0]) if ps else 0
+        return {"tokens/learner": float(learner), "tokens/unique": float(unique)}
 
     # ---------------------------------------------------------------- the loop
     def loop(self) -> Iterator[int]:

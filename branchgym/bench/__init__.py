@@ -25,6 +25,10 @@ STUDIES: dict[str, tuple[str, str]] = {
         "the source's diagnostic: independent vs within-snapshot return variance, per env",
     ),
     "engine": ("branchgym.bench.engine", "sibling generation with and without prefix KV reuse"),
+    "packing": (
+        "branchgym.bench.packing",
+        "learner forward + backward: packed tree (4-D mask) vs plain causal rows",
+    ),
     "branching": (
         "branchgym.bench.branching",
         "branching overhead and tokens saved by shared prefixes, per env",

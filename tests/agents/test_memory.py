@@ -135,7 +135,7 @@ def test_tree_packing_trains_equal_to_per_path_rows(bpo_run):
             lp_packed, _ = run.logprobs(run.model, rows)
         g_packed = _grads(run, batch)
     finally:
-        run.args.pack_trees = False
+        run.args.pack_trees = True  # the default
     assert sum(packed) < sum(plain)  # the shared prefixes are read once
     for a, b in zip(lp_plain, lp_packed, strict=True):
         _close(a, b)

@@ -409,6 +409,13 @@ def test_recomputed_logprobs_equal_the_behaviour_logprobs(
         for d, lp in zip(row.decisions, per, strict=True):
             assert lp.requires_grad
             np.testing.assert_allclose(lp.detach().numpy(), d.old_logp, atol=2e-5)
+    with torch.no_grad():  # tree packing (the learners' default), runs split or not
+        packed, _ = POLICIES[kind].logprobs(
+            pol, model, batch.rows, torch.device("cpu"), pack_trees=True
+        )
+    for row, per in zip(batch.rows, packed, strict=True):
+        for d, lp in zip(row.decisions, per, strict=True):
+            np.testing.assert_allclose(lp.numpy(), d.old_logp, atol=2e-5)
     # gradients reach the model
     sum(lp.sum() for per in lps for lp in per).backward()
     assert model.get_input_embeddings().weight.grad is not None
