@@ -120,6 +120,21 @@ def register(
     return spec
 
 
+def unregister(env_id: str) -> None:
+    """Remove an env :func:`register` added, from Gymnasium's registry and branchgym's.
+
+    For envs a test or a notebook registers for a while: studies that walk every
+    registered env (``branchgym bench snapshot``, ``branchgym list``) stop seeing it.
+
+    Raises:
+        UnknownEnvError: ``env_id`` was not registered through :func:`register`.
+    """
+    if env_id not in _SPECS:
+        raise UnknownEnvError(_unknown_message(env_id))
+    del _SPECS[env_id]
+    gym.registry.pop(env_id, None)
+
+
 def branch_specs() -> list[BranchSpec]:
     """Every env registered through :func:`register`, in registration order."""
     return list(_SPECS.values())

@@ -60,3 +60,15 @@ def test_snapshot_identity_same_for_make_and_direct_construction():
     with made.unwrapped.snapshot() as s:
         direct.restore(s)
     assert direct.state_digest() == made.unwrapped.state_digest()
+
+
+def test_unregister_removes_an_env_from_both_registries():
+    from branchgym.registration import unregister
+
+    branchgym.register("mylab/Gone-v0", TreeMDP, kwargs={"depth": 2})
+    assert "mylab/Gone-v0" in gym.registry
+    unregister("mylab/Gone-v0")
+    assert "mylab/Gone-v0" not in gym.registry
+    assert "mylab/Gone-v0" not in [s.id for s in branchgym.branch_specs()]
+    with pytest.raises(UnknownEnvError, match="branchgym list"):
+        unregister("mylab/Gone-v0")

@@ -13,13 +13,13 @@ import sys
 import time
 from pathlib import Path
 
-import gymnasium as gym
 import numpy as np
 import pytest
 
 import branchgym
 from branchgym.cli import main as cli_main
 from branchgym.envs.toy.text_tree_mdp import TextTreeMDP
+from branchgym.registration import unregister
 from branchgym.tree import RolloutTree
 from branchgym.tree_format import read_tree_file, save_trees
 from branchgym.viewer import render_html, write_view
@@ -54,8 +54,13 @@ class RestoreFailsOnce(TextTreeMDP):
         return super()._set_state(state)
 
 
-if ENV_ID not in gym.registry:
+@pytest.fixture(scope="module", autouse=True)
+def restore_fails_env():
+    # Registered while this module runs only: studies that walk every registered env
+    # (bench snapshot) must not meet an env whose restores fail on purpose.
     branchgym.register(ENV_ID, RestoreFailsOnce, max_episode_steps=8)
+    yield
+    unregister(ENV_ID)
 
 
 @pytest.fixture(scope="module")
