@@ -218,7 +218,7 @@ class BranchgymServer:
 
     def _description(self, env: gym.Env) -> dict[str, Any]:
         from branchgym.checker import volatile_keys
-        from branchgym.wrappers.fidelity import declares_rng_excluded
+        from branchgym.core import declares_rng_excluded
 
         return {
             "protocol": PROTOCOL_VERSION,
