@@ -44,7 +44,7 @@ from branchgym.error import CacheLocationError, RepoEnvironmentError, SandboxCon
 __all__ = ["RepoEnvironment", "repo_environment", "resolve_python_env", "installable"]
 
 #: Bump when the build procedure changes (the cache key includes it).
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
 
 #: Files whose presence makes a checkout pip-installable.
 _PROJECT_FILES = ("pyproject.toml", "setup.py", "setup.cfg")
@@ -188,7 +188,13 @@ def _prefixes(python: str) -> tuple[str, ...]:
 
 
 def _key(task: SWEBenchTask, base_python: str) -> str:
-    blob = json.dumps([FORMAT_VERSION, task.repo, task.version, os.path.realpath(base_python)])
+    # The interpreter's own path, not its real path: every venv made from one python
+    # resolves to that python's binary, yet each has its own site-packages, which the
+    # environment's .pth adds. Keyed by the real path, a second venv (a fresh clone's, a
+    # CI checkout's) met the first one's environment and ran its tests on packages that
+    # were not its own, or on none once that venv was deleted.
+    interpreter = os.path.normpath(os.path.abspath(base_python))
+    blob = json.dumps([FORMAT_VERSION, task.repo, task.version, interpreter])
     name = re.sub(r"[^A-Za-z0-9_.-]", "_", f"{task.repo.replace('/', '__')}-{task.version}")
     return f"{name}-{hashlib.sha256(blob.encode()).hexdigest()[:12]}"
 
@@ -214,7 +220,7 @@ def repo_environment(
             dependencies the base interpreter lacks (the message lists them and says
             how to provide them).
     """
-    base_python = base_python or sys.executable
+    base_python = os.path.abspath(base_python or sys.executable)
     # The real path: sandboxes bind it there and put its bin/ on PATH, whatever links
     # (a home or cache folder that is a link) lead to it.
     folder = Path(os.path.realpath(Path(root) if root else cache_root() / "swebench" / "envs"))
@@ -226,11 +232,11 @@ def repo_environment(
             "it). Set BRANCHGYM_CACHE to a folder whose path has no ':' (e.g. /var/tmp/branchgym)."
         )
     meta = target / "env.json"
-    if not meta.exists():
+    if _stale(meta):
         cache_folder(folder)
         with open(f"{target}.lock", "w") as lock:
             fcntl.flock(lock, fcntl.LOCK_EX)  # concurrent processes build it once
-            if not meta.exists():
+            if _stale(meta):
                 _build(task, Path(checkout), base_python, target)
     data = json.loads(meta.read_text())
     return RepoEnvironment(
@@ -240,6 +246,24 @@ def repo_environment(
         roots=tuple(data["roots"]),
         binds=tuple([str(target / "venv"), *_prefixes(data["base_python"])]),
     )
+
+
+def _stale(meta: Path) -> bool:
+    """Whether the environment ``meta`` describes must be (re)built.
+
+    It must when it was never built, or when what it stands on is gone: its base
+    interpreter, or a site folder its .pth adds (a venv deleted or rebuilt since). Such an
+    environment would start no interpreter, or import without the packages it was built
+    against, so it is rebuilt rather than used.
+    """
+    try:
+        data = json.loads(meta.read_text())
+    except (OSError, ValueError):
+        return True
+    python = data.get("base_python")
+    if not (isinstance(python, str) and os.path.isfile(python) and os.access(python, os.X_OK)):
+        return True
+    return not all(os.path.isdir(s) for s in data.get("sites", ()))
 
 
 def _run(argv: list[str], what: str, cwd: Path | None = None) -> str:
@@ -321,7 +345,12 @@ def _build(task: SWEBenchTask, checkout: Path, base_python: str, target: Path) -
             f"python_env={{{task.repo!r}: '/path/to/python'}} naming an interpreter that has "
             "them (a conda env or venv with the repository's dependencies)."
         )
-    meta = {"base_python": base_python, "dist": dist, "roots": sorted(roots) or ["."]}
+    meta = {
+        "base_python": base_python,
+        "sites": [s for s in sites if os.path.isdir(s)],
+        "dist": dist,
+        "roots": sorted(roots) or ["."],
+    }
     (target / "env.json").write_text(json.dumps(meta))
 
 

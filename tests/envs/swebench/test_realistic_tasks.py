@@ -126,6 +126,52 @@ def test_repo_env_installs_src_layout_once_and_tests_run_in_it(real_tasks, real_
         sb.close()
 
 
+def _venv_of_this_python(folder: Path) -> str:
+    """A venv made from this interpreter that sees its packages (as a worktree's is)."""
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(folder)], check=True)
+    import site
+
+    (site_dir,) = folder.glob("lib/python*/site-packages")
+    (site_dir / "outer.pth").write_text("".join(f"{s}\n" for s in site.getsitepackages()))
+    return str(folder / "bin" / "python")
+
+
+@pytest.mark.slow
+def test_each_venv_gets_its_own_environment_and_a_stale_one_is_rebuilt(
+    real_tasks, real_checkout, tmp_path
+):
+    # Two venvs of one interpreter resolve to the same binary but add different
+    # site-packages: one venv's environment must never serve the other (CI once met a
+    # deleted worktree venv's environment and could not start its python).
+    task = _cachetools(real_tasks)
+    checkout = real_checkout(task)
+    root = tmp_path / "envs"
+    first = _venv_of_this_python(tmp_path / "a")
+    second = _venv_of_this_python(tmp_path / "b")
+    env_a = repo_environment(task, checkout, base_python=first, root=root)
+    env_b = repo_environment(task, checkout, base_python=second, root=root)
+    assert env_a.prefix != env_b.prefix
+    assert (env_a.base_python, env_b.base_python) == (first, second)
+    # An environment whose base interpreter is gone is rebuilt, not handed out.
+    meta = env_b.prefix.parent / "env.json"
+    data = json.loads(meta.read_text())
+    meta.write_text(json.dumps({**data, "base_python": str(tmp_path / "gone" / "python")}))
+    again = repo_environment(task, checkout, base_python=second, root=root)
+    assert again.base_python == second
+    assert json.loads(meta.read_text())["base_python"] == second
+    out = subprocess.run(
+        [str(again.prefix / "bin" / "python"), "-c", "import cachetools, pip"],
+        capture_output=True, text=True, check=False,
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr
+    # So is one a site folder of which has gone (its venv deleted and not remade).
+    data = json.loads(meta.read_text())
+    assert data["sites"]
+    meta.write_text(json.dumps({**data, "sites": [*data["sites"], str(tmp_path / "no-site")]}))
+    repo_environment(task, checkout, base_python=second, root=root)
+    assert str(tmp_path / "no-site") not in json.loads(meta.read_text())["sites"]
+
+
 @pytest.mark.slow
 def test_unisolated_commands_import_the_sandboxs_own_sources(real_tasks, real_checkout):
     task = _cachetools(real_tasks)
