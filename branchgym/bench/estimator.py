@@ -310,8 +310,8 @@ class TokenCosts:
         p0, dec = float(r["prompt_tokens_per_row"]), float(r["decisions_per_batch"])
         step = (float(r["learner_tokens_per_batch"]) - float(r["rollouts_per_batch"]) * p0) / dec
         gen = float(r["tokens_per_batch"]) / dec
-        maze = data.get("maze", {})
-        return cls(p0, gen, step, f"{path} (TextTreeMDP {maze}, RLOO rows)")
+        env = str(data.get("env", "branchgym/TextTreeMDP-v0")).rpartition("/")[2]
+        return cls(p0, gen, step, f"{path} ({env} {data.get('maze', {})}, RLOO rows)")
 
     def costs(self, res: dict[str, Any], trees: int) -> tuple[float, float, float]:
         """(generated, learner plain, learner pack_trees) tokens per draw."""

@@ -56,6 +56,9 @@ __all__ = [
     "table_rows",
 ]
 
+#: The default env: the learning study's maze as text.
+TEXT_MAZE = "branchgym/TextTreeMDP-v0"
+
 #: The learners compared by default (labels; options may follow a colon).
 DEFAULT_LEARNERS = ("grpo", "rloo", "bpo")
 
@@ -316,9 +319,22 @@ def configure(parser: argparse.ArgumentParser) -> None:
         help="TextTreeMDP options over the maze's, KEY=VALUE comma list, e.g. "
         "termination_prob=0.3 or end_actions=1 (episodes of variable length)",
     )
+    parser.add_argument(
+        "--env",
+        default=TEXT_MAZE,
+        help=f"env id (default {TEXT_MAZE}; e.g. branchgym/WebShop-v0, whose episodes end "
+        "when the agent buys)",
+    )
+    parser.add_argument(
+        "--env-kwargs",
+        default="",
+        help="options of --env, KEY=VALUE comma list (e.g. max_steps=10 for WebShop)",
+    )
 
 
-def _frozen_model(args: argparse.Namespace, maze: dict[str, Any], folder: Path) -> str:
+def _frozen_model(
+    args: argparse.Namespace, env_id: str, maze: dict[str, Any], folder: Path
+) -> str:
     """The model to freeze: a checkpoint, the random tiny model, or it after a few updates."""
     if args.checkpoint:
         return str(args.checkpoint)
@@ -333,6 +349,7 @@ def _frozen_model(args: argparse.Namespace, maze: dict[str, Any], folder: Path) 
         args.seed,
         folder,
         label="warmup",
+        env_id=env_id,
         env_kwargs=maze,
         steps=args.train_steps,
         prompts_per_step=args.prompts,
@@ -345,14 +362,14 @@ def _frozen_model(args: argparse.Namespace, maze: dict[str, Any], folder: Path) 
     return str(run.checkpoint)
 
 
-def _maze_options(text: str) -> dict[str, Any]:
+def _maze_options(text: str, flag: str = "--maze") -> dict[str, Any]:
     """``"termination_prob=0.3,depth=5"`` -> ``{"termination_prob": 0.3, "depth": 5}``."""
     out: dict[str, Any] = {}
     for item in filter(None, (x.strip() for x in text.split(","))):
         key, sep, value = item.partition("=")
         if not sep:
             raise OptionError(
-                f"--maze takes KEY=VALUE pairs (e.g. termination_prob=0.3); got {item!r}"
+                f"{flag} takes KEY=VALUE pairs (e.g. termination_prob=0.3); got {item!r}"
             )
         try:
             out[key.strip()] = int(value)
@@ -371,14 +388,23 @@ def main(args: argparse.Namespace) -> int:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    maze = STUDY_MAZE
+    env_id = getattr(args, "env", TEXT_MAZE)
     if args.quick:
-        maze = CI_MAZE
         args.batches, args.prompts = min(args.batches, 6), min(args.prompts, 2)
-    maze = {**maze, **_maze_options(getattr(args, "maze", ""))}
+    if env_id == TEXT_MAZE:
+        maze = {**(CI_MAZE if args.quick else STUDY_MAZE), **_maze_options(args.maze)}
+    elif getattr(args, "maze", ""):
+        raise OptionError(
+            f"--maze sets TextTreeMDP's options and --env is {env_id}; give that env's "
+            "options with --env-kwargs KEY=VALUE,..."
+        )
+    else:
+        maze = {}
+    maze = {**maze, **_maze_options(getattr(args, "env_kwargs", ""), "--env-kwargs")}
+    where = f"TextTreeMDP {maze}" if env_id == TEXT_MAZE else f"{env_id} {maze}"
     t0 = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="bench_gradient_noise_") as tmp:
-        model = _frozen_model(args, maze, Path(tmp))
+        model = _frozen_model(args, env_id, maze, Path(tmp))
         if args.checkpoint:
             frozen = f"the weights of {args.checkpoint}"
         elif args.train_steps > 0:
@@ -392,6 +418,7 @@ def main(args: argparse.Namespace) -> int:
             list(args.learners),
             args.batches,
             reference=args.reference,
+            env_id=env_id,
             env_kwargs=maze,
             model=model,
             policy="scoring",
@@ -403,7 +430,7 @@ def main(args: argparse.Namespace) -> int:
     ref = args.reference if args.reference in results else next(iter(results))
     report = Report(args.out, "gradient_noise", "branchgym bench gradient-noise")
     report.add(
-        f"Setup: TextTreeMDP {maze}, {frozen}, scoring policy, frozen (no optimizer step). "
+        f"Setup: {where}, {frozen}, scoring policy, frozen (no optimizer step). "
         f"Per learner {args.batches} independent batches of {args.prompts} prompts (each "
         "batch: the learner's own rollouts and advantages, its aggregation, ratio 1, "
         "beta 0). Gradient: the surrogate policy gradient flattened over all trainable "
@@ -456,6 +483,7 @@ def main(args: argparse.Namespace) -> int:
     )
     report.data = {
         "args": vars(args),
+        "env": env_id,
         "maze": maze,
         "frozen": frozen,
         "reference": ref,

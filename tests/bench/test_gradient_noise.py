@@ -222,3 +222,29 @@ def test_diagnose_prints_the_estimator_figure(capsys):
     assert "implied Var(A^BPO)/Var(A^GRPO)" in out
     assert "noise-to-signal at matched tokens, BPO/RLOO" in out
     assert "=> estimator:" in out
+
+
+def _study_args(*argv):
+    import argparse
+
+    from branchgym.bench import gradient_noise
+
+    parser = argparse.ArgumentParser()
+    gradient_noise.configure(parser)
+    return gradient_noise, parser.parse_args(list(argv))
+
+
+def test_maze_options_apply_to_the_maze_only_and_env_kwargs_are_checked(tmp_path):
+    from branchgym.error import OptionError
+
+    study, args = _study_args(
+        "--env", "branchgym/WebShop-v0", "--maze", "depth=3", "--out", str(tmp_path)
+    )
+    with pytest.raises(OptionError, match="--env-kwargs"):
+        study.main(args)
+    study, args = _study_args(
+        "--env", "branchgym/WebShop-v0", "--env-kwargs", "max_steps", "--out", str(tmp_path)
+    )
+    with pytest.raises(OptionError, match="--env-kwargs takes KEY=VALUE"):
+        study.main(args)
+    assert not list(tmp_path.iterdir())  # refused before measuring anything
