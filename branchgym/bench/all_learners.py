@@ -38,7 +38,7 @@ from branchgym.bench.runs import (
     window_variance,
 )
 
-__all__ = ["configure", "main", "ENV_KWARGS", "MAZES", "VARIANTS"]
+__all__ = ["configure", "main", "ENV_KWARGS", "MAZES", "VARIANTS", "variant_options"]
 
 #: The default maze (``MAZES["ci"]``).
 ENV_KWARGS = CI_MAZE
@@ -55,20 +55,23 @@ MATCHED: dict[str, dict[str, Any]] = {
 }
 DISTILL = ("branch_opd", "opd", "opd_multi")
 
-#: labelled runs of a learner with other options: the unbiased branching variant that the
-#: estimator study finds best (docs/estimators.md: G = 5 backbones branched at their last
-#: decision, value-difference credit, per-depth weights; N = 20 rollouts per prompt) and
-#: RLOO at the same N
+#: labelled runs of a learner with other options: the unbiased branching variant the
+#: estimator study recommends (docs/estimators.md: G = 5 backbones branched at the
+#: horizon's last decision where the line still runs, value-difference credit, planned
+#: per-depth weights; N = 20 rollouts per prompt), unbiased whether or not episodes end
+#: early, and RLOO at the same N. ``branch_depths`` comes from the maze
+#: (:func:`variant_options`).
 VARIANTS: dict[str, tuple[str, dict[str, Any]]] = {
-    "bpo_tail_vd": (
+    "bpo_hz_vd": (
         "bpo",
         {
-            "schedule": "last",
+            "schedule": "depths",
             "m": 1,
             "k": 4,
             "backbones": 5,
             "credit": "value_diff",
             "depth_weight": True,
+            "depth_count": "backbone",
             "gap_unit": "steps",
         },
     ),
@@ -87,6 +90,19 @@ MAZES: dict[str, dict[str, Any]] = {
         "structure_seed": 2,
     },
 }
+
+
+def variant_options(label: str, maze: dict[str, Any]) -> tuple[str, dict[str, Any]]:
+    """(learner, options) of the run ``label`` on ``maze``.
+
+    A ``depths`` variant without its ``branch_depths`` branches at the maze's last
+    decision (depth - 1).
+    """
+    learner, fixed = VARIANTS.get(label, (label, MATCHED.get(label, {})))
+    if fixed.get("schedule") == "depths" and "branch_depths" not in fixed:
+        fixed = {**fixed, "branch_depths": (int(maze["depth"]) - 1,)}
+    return learner, dict(fixed)
+
 
 _SRC = source.GRAD_NORM_VARIANCE_RATIO  # the source's BPO/GRPO ratios
 
@@ -118,7 +134,8 @@ def configure(parser: argparse.ArgumentParser) -> None:
 def _one(
     algo: str, seed: int, args: argparse.Namespace, folder: Path, teacher: str | None
 ) -> SeedResult:
-    learner, fixed = VARIANTS.get(algo, (algo, MATCHED.get(algo, {})))
+    maze = MAZES[args.maze]
+    learner, fixed = variant_options(algo, maze)
     options: dict[str, Any] = {
         "steps": args.steps,
         "prompts_per_step": args.prompts,
@@ -130,7 +147,6 @@ def _one(
     }
     if algo in DISTILL:
         options["teacher"] = teacher
-    maze = MAZES[args.maze]
     return run_learner(learner, seed, folder, label=algo, env_kwargs=maze, **options)
 
 
@@ -144,7 +160,7 @@ def main(args: argparse.Namespace) -> int:
     maze = MAZES[args.maze]
     report.add(
         f"TextTreeMDP {maze}, tiny Qwen2 with the scoring policy, N = 7 rollouts per "
-        f"prompt (bpo_tail_vd and rloo_n20: N = 20), {args.prompts} prompts per step, "
+        f"prompt (bpo_hz_vd and rloo_n20: N = 20), {args.prompts} prompts per step, "
         f"{args.steps} steps, lr {args.lr}, {args.seeds} seeds; exact success (no "
         "evaluation noise); env steps and tokens per step are in the table."
     )

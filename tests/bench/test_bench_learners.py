@@ -30,12 +30,16 @@ def test_the_variant_runs_are_valid_learner_options_and_the_long_maze_evaluates_
     import gymnasium as gym
 
     from branchgym.agents.train import make_args
-    from branchgym.bench.all_learners import MAZES, VARIANTS
+    from branchgym.bench.all_learners import MAZES, VARIANTS, variant_options
 
-    for label, (algo, options) in VARIANTS.items():
-        args = make_args(algo, env_id="branchgym/TextTreeMDP-v0", **options)
-        args.check()  # raises TrainingConfigError on an unknown or out-of-range option
-        assert label.startswith(algo)
+    for maze in MAZES.values():
+        for label in VARIANTS:
+            algo, options = variant_options(label, maze)
+            args = make_args(algo, env_id="branchgym/TextTreeMDP-v0", env_kwargs=maze, **options)
+            args.check()  # raises TrainingConfigError on an unknown or out-of-range option
+            assert label.startswith(algo)
+            if options.get("schedule") == "depths":  # the horizon's last decision
+                assert tuple(args.branch_depths) == (maze["depth"] - 1,)
     tree = gym.make("branchgym/TextTreeMDP-v0", **MAZES["long_noisy"]).unwrapped.tree
     inner = int((tree.depth < tree.depth.max()).sum())
     assert tree.depth.max() == 6 and inner <= 5_000  # exact_value's limit: curves stay exact
