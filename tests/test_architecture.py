@@ -138,7 +138,7 @@ def test_engine_imports_nothing_above_it():
     """The engine never imports agents/, wrappers/, scenarios/, bench/ or envs/.
 
     Policies, losses, learners, wrappers, envs and studies build on the engine; the engine
-    only knows the policy protocol (:mod:`branchgym.policy`), the snapshot protocol
+    only knows the policy protocol (:mod:`branchgym.rollout.policy`), the snapshot protocol
     (:mod:`branchgym.core`) and the fidelity record (:mod:`branchgym.fidelity.violation`).
     """
     found = {
@@ -156,11 +156,11 @@ def test_engine_imports_nothing_above_it():
 
 #: The engine's subpackages, each named by its step of the data path. They are engine
 #: modules like the top-level ones, and none has a known upward arrow.
-ENGINE_SUBPACKAGES = ("fidelity",)
+ENGINE_SUBPACKAGES = ("fidelity", "rollout")
 
 
 def test_engine_subpackages_import_nothing_above_the_engine():
-    """fidelity/ (and each engine subpackage) imports neither wrappers/, envs/ nor bench/.
+    """fidelity/ and rollout/ import neither wrappers/, envs/ nor bench/ (nor agents/).
 
     The online wrapper (``wrappers/fidelity.py``) builds on ``branchgym.fidelity``, never
     the reverse; no exception is allowed here, KNOWN_UPWARD included.

@@ -1159,4 +1159,4 @@ def make_executor(name: str | Executor, **kwargs: Any) -> Executor:
 
 # The fleet executor (servers of `branchgym serve`) lives in its own module, which adds
 # itself to EXECUTORS as "fleet" when imported.
-import branchgym.remote_executor  # noqa: E402,F401
+import branchgym.rollout.fleet  # noqa: E402,F401
