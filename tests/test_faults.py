@@ -22,10 +22,10 @@ from branchgym.envs.toy.text_tree_mdp import TextTreeMDP
 from branchgym.rollout.executors import (
     EnvRecipe,
     InProcessExecutor,
-    ProcessExecutor,
     ThreadExecutor,
 )
 from branchgym.rollout.grow import grow_tree
+from branchgym.rollout.process import ProcessExecutor
 
 cloudpickle.register_pickle_by_value(sys.modules[__name__])
 
@@ -174,7 +174,7 @@ import sys, time, cloudpickle, gymnasium as gym
 sys.path.insert(0, {tests!r})
 import branchgym
 from branchgym.agents.policy import TextPolicy
-from branchgym.rollout.executors import EnvRecipe, {executor}
+from {module} import {executor}
 from branchgym.rollout.grow import grow_tree
 from test_faults import spec_of, Faulty, grow
 cloudpickle.register_pickle_by_value(sys.modules["test_faults"])
@@ -186,15 +186,16 @@ print("grown", sum(1 for n in tree if n.error), flush=True)
 """
 
 
-def _script(executor, timeout):
+def _script(module, executor, timeout):
     tests = os.path.dirname(os.path.abspath(__file__))
-    return textwrap.dedent(HANG_SCRIPT.format(tests=tests, executor=executor, timeout=timeout))
+    script = HANG_SCRIPT.format(tests=tests, module=module, executor=executor, timeout=timeout)
+    return textwrap.dedent(script)
 
 
 def test_stuck_threads_never_block_the_interpreters_exit():
     t0 = time.perf_counter()
     out = subprocess.run(
-        [sys.executable, "-c", _script("ThreadExecutor", 0.5)],
+        [sys.executable, "-c", _script("branchgym.rollout.executors", "ThreadExecutor", 0.5)],
         capture_output=True, text=True, timeout=120,
     )  # fmt: skip
     took = time.perf_counter() - t0
@@ -205,7 +206,7 @@ def test_stuck_threads_never_block_the_interpreters_exit():
 
 def test_a_killed_driver_takes_its_stuck_worker_with_it():
     proc = subprocess.Popen(
-        [sys.executable, "-c", _script("ProcessExecutor", None)],
+        [sys.executable, "-c", _script("branchgym.rollout.process", "ProcessExecutor", None)],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
     )  # fmt: skip
     try:
@@ -351,7 +352,7 @@ def _children_of(pid):
 @pytest.mark.slow
 def test_the_fault_suite_on_ray_actors():
     ray = pytest.importorskip("ray")
-    from branchgym.rollout.executors import RayExecutor
+    from branchgym.rollout.ray import RayExecutor
 
     ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])  # Ray's own cloudpickle
     before = set(_children_of(os.getpid()))  # earlier tests' helpers are not Ray's

@@ -17,10 +17,10 @@ from branchgym.error import SandboxError
 from branchgym.rollout.executors import (
     EnvRecipe,
     InProcessExecutor,
-    ProcessExecutor,
     ThreadExecutor,
 )
 from branchgym.rollout.grow import grow_tree
+from branchgym.rollout.process import ProcessExecutor
 
 cloudpickle.register_pickle_by_value(sys.modules[__name__])
 
