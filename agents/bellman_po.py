@@ -38,7 +38,7 @@ from branchgym.agents.run import (
     require,
     rollout_metrics,
 )
-from branchgym.rollout import group_rollouts
+from branchgym.rollout.grow import group_rollouts
 
 __all__ = ["Args", "loss", "main"]
 

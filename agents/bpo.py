@@ -44,9 +44,9 @@ from branchgym.agents.run import (
     require_one_of,
     rollout_metrics,
 )
-from branchgym.rollout import KEEP_MODES, group_rollouts, grow_tree
-from branchgym.schedules import ForkPoint
-from branchgym.tree import ENTROPY_REDUCTIONS, RolloutTree
+from branchgym.rollout.grow import KEEP_MODES, group_rollouts, grow_tree
+from branchgym.rollout.schedules import ForkPoint
+from branchgym.rollout.tree import ENTROPY_REDUCTIONS, RolloutTree
 
 __all__ = [
     "CREDITS",
@@ -134,7 +134,7 @@ def depths_schedule(
     return [ForkPoint(int(t), 0, float(t)) for t in sorted(depths) if int(t) < len(backbone)]
 
 
-#: Schedules this learner adds to branchgym.schedules'.
+#: Schedules this learner adds to branchgym.rollout.schedules'.
 LOCAL_SCHEDULES = {
     "last": last_schedule,
     "root_even": root_even_schedule,

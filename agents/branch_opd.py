@@ -56,8 +56,8 @@ from branchgym.agents.run import (
     rollout_metrics,
 )
 from branchgym.error import TrainingConfigError
-from branchgym.rollout import KEEP_MODES, group_rollouts, grow_tree
-from branchgym.tree import RolloutTree
+from branchgym.rollout.grow import KEEP_MODES, group_rollouts, grow_tree
+from branchgym.rollout.tree import RolloutTree
 
 __all__ = ["DETECTOR_SETS", "ROLLOUTS", "Args", "loss", "main", "react_action_end"]
 

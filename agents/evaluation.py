@@ -31,10 +31,10 @@ import numpy as np
 
 import branchgym
 from branchgym.error import TrainingConfigError
-from branchgym.executors import EnvRecipe, Executor
-from branchgym.policy import Context, Turn
-from branchgym.rollout import group_rollouts
-from branchgym.tree import RolloutTree
+from branchgym.rollout.executors import EnvRecipe, Executor
+from branchgym.rollout.grow import group_rollouts
+from branchgym.rollout.policy import Context, Turn
+from branchgym.rollout.tree import RolloutTree
 
 __all__ = [
     "SUCCESS_KEYS",

@@ -38,8 +38,8 @@ from branchgym.agents.run import (
     require_one_of,
     rollout_metrics,
 )
-from branchgym.rollout import group_rollouts
-from branchgym.tree import RolloutTree
+from branchgym.rollout.grow import group_rollouts
+from branchgym.rollout.tree import RolloutTree
 
 __all__ = ["ADVANTAGES", "Args", "group_advantages", "loss", "main"]
 

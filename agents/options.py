@@ -146,7 +146,7 @@ class TrainArgs:
     """Threads (``thread``), worker processes (``process``) or actors (``ray``) of the
     executor: how many env calls of a merged batch run at once (``inprocess``: one)."""
     batch_rollouts: bool = True
-    """Grow the step's trees (groups) in lockstep (:mod:`branchgym.batch_rollout`): one
+    """Grow the step's trees (groups) in lockstep (:mod:`branchgym.rollout.batch`): one
     policy call per turn for every prompt's backbone and every branch point's siblings,
     and one executor call per kind for all their envs. False grows them one after another
     (the same trees; docs/engine.md, Batched rollouts)."""

@@ -2,7 +2,7 @@
 
 The protocol and its value types (:class:`Policy`, :class:`ActRequest`,
 :class:`ActionSample`, :class:`Context`, :class:`Turn`) are defined in the core module
-:mod:`branchgym.policy` and re-exported here. The branching engine asks a
+:mod:`branchgym.rollout.policy` and re-exported here. The branching engine asks a
 :class:`Policy` for actions in batches of :class:`ActRequest` (a context, how many
 samples, and optionally token ids the action must start with, for forks inside a turn)
 and gets :class:`ActionSample` objects back: the env action, its text, token ids, the
@@ -30,7 +30,7 @@ import numpy as np
 
 # The protocol and its value types live in the core package (the engine imports them
 # from there); they are re-exported here so existing imports keep working.
-from branchgym.policy import (
+from branchgym.rollout.policy import (
     ActionSample,
     ActRequest,
     Context,

@@ -26,7 +26,7 @@ import dataclasses
 import re
 from typing import Any
 
-from branchgym.policy import Context, admissible_actions
+from branchgym.rollout.policy import Context, admissible_actions
 
 __all__ = [
     "ParsedAction",

@@ -21,8 +21,8 @@ import numpy as np
 
 from branchgym.agents.evaluation import success_of
 from branchgym.error import DependencyMissingError
-from branchgym.policy import Context, Turn
-from branchgym.tree import RolloutTree
+from branchgym.rollout.policy import Context, Turn
+from branchgym.rollout.tree import RolloutTree
 
 try:
     import torch

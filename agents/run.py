@@ -7,7 +7,7 @@ the same for all of them: model, engine, optimiser, scheduler, reference model, 
 the training loop's progress bar.
 
 The data path it drives lives in modules of one concern each, in the order data flows
-(env -> snapshot -> tree are :mod:`branchgym.rollout` and :mod:`branchgym.tree`):
+(env -> snapshot -> tree are :mod:`branchgym.rollout.grow` and :mod:`branchgym.rollout.tree`):
 
 * :mod:`~branchgym.agents.options`: :class:`TrainArgs` and CLI/JSON type coercion;
 * :mod:`~branchgym.agents.lr_schedules`: :data:`LR_SCHEDULES`;
@@ -113,9 +113,9 @@ from branchgym.agents.rows import (
     token_weight,
 )
 from branchgym.agents.sinks import Sinks, open_sinks
-from branchgym.batch_rollout import run_batched
 from branchgym.error import CheckpointError, DependencyMissingError, TrainingConfigError
-from branchgym.executors import EnvRecipe, make_executor
+from branchgym.rollout.batch import run_batched
+from branchgym.rollout.executors import EnvRecipe, make_executor
 
 try:
     import torch
@@ -456,7 +456,7 @@ class Run:
 
         A job is ``job(policy, executor=executor)`` (a ``functools.partial`` of
         ``grow_tree`` or ``group_rollouts`` without its policy). With ``batch_rollouts``
-        the jobs grow in lockstep (:func:`branchgym.batch_rollout.run_batched`: one policy
+        the jobs grow in lockstep (:func:`branchgym.rollout.batch.run_batched`: one policy
         call per turn for all of them); otherwise one after another. Same trees either way.
         """
         if self.args.batch_rollouts and len(jobs) > 1:

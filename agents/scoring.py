@@ -37,7 +37,13 @@ import numpy as np
 
 from branchgym.agents.policy import LLMPolicy, sequence_distribution
 from branchgym.error import DependencyMissingError, TrainingConfigError
-from branchgym.policy import ActionSample, ActRequest, Context, admissible_actions, sample_rng
+from branchgym.rollout.policy import (
+    ActionSample,
+    ActRequest,
+    Context,
+    admissible_actions,
+    sample_rng,
+)
 
 try:
     import torch

@@ -41,8 +41,8 @@ from branchgym.agents.run import (
     success_of,
 )
 from branchgym.error import TrainingConfigError
-from branchgym.policy import admissible_actions
-from branchgym.tree import RolloutTree
+from branchgym.rollout.policy import admissible_actions
+from branchgym.rollout.tree import RolloutTree
 
 __all__ = ["AUTO_EXPERTS", "EXPERTS", "Args", "collect", "loss", "main"]
 

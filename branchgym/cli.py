@@ -74,7 +74,7 @@ def configure_check(p: argparse.ArgumentParser) -> None:
 
 def _fidelity_report(target: str, args: argparse.Namespace) -> bool:
     """Print the property suite's report for ``target``; True when it passed."""
-    from branchgym.testing import DEFAULT_MAX_EXAMPLES, check_snapshot_fidelity
+    from branchgym.fidelity.suite import DEFAULT_MAX_EXAMPLES, check_snapshot_fidelity
 
     try:
         report = check_snapshot_fidelity(
@@ -94,7 +94,7 @@ def _fidelity_report(target: str, args: argparse.Namespace) -> bool:
 
 def cmd_check(args: argparse.Namespace) -> int:
     """Run the snapshot checks and the fidelity property suite; exit 1 when any fails."""
-    from branchgym.checker import check_env
+    from branchgym.fidelity.checks import check_env
 
     if args.all:
         targets = [s.id for s in branchgym.branch_specs() if not s.missing()]

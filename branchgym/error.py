@@ -132,7 +132,7 @@ class FidelityViolation(SnapshotError, AssertionError):
     """A restored state behaves differently from the state that was snapshotted.
 
     Attributes:
-        violation: The structured record (``branchgym.violation.Violation``): the
+        violation: The structured record (``branchgym.fidelity.violation.Violation``): the
             check that caught it, the first diverging step, the field and both values.
     """
 

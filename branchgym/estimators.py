@@ -301,7 +301,7 @@ class Design:
 def schedule_depths(design: Design, depth: int) -> list[int] | None:
     """Branch depths of the trajectory-independent schedules ``even``/``root_even``/``fixed``.
 
-    ``even`` is :func:`branchgym.schedules.even_schedule` on a backbone of ``depth`` steps;
+    ``even`` is :func:`branchgym.rollout.schedules.even_schedule` on a backbone of ``depth`` steps;
     ``root_even`` is the root plus ``even`` with M - 1 points; ``last`` the last M
     decisions; ``fixed`` its depths (negative ones from ``depth``). ``None`` for
     ``entropy`` and ``random``, whose points differ per backbone. On variable lengths the

@@ -1,6 +1,6 @@
 """Rollout trees as versioned JSON files (docs/engine.md, "Tree files").
 
-:func:`tree_to_json` turns a :class:`~branchgym.tree.RolloutTree` into plain JSON data
+:func:`tree_to_json` turns a :class:`~branchgym.rollout.tree.RolloutTree` into plain JSON data
 and :func:`tree_from_json` builds the tree back; :func:`save_trees` and
 :func:`load_trees` write and read a file holding a step's trees (gzip when the name
 ends in ``.gz``). The round trip is exact: every node field comes back equal, arrays
@@ -38,7 +38,7 @@ from typing import Any
 import numpy as np
 
 from branchgym.error import TreeFormatError
-from branchgym.tree import ROOT, RolloutTree, TreeStats
+from branchgym.rollout.tree import ROOT, RolloutTree, TreeStats
 
 __all__ = [
     "FORMAT",

@@ -7,7 +7,7 @@ by the advantage the learner gave it, marks each branch point with its K and its
 siblings' returns, shows every error leaf with its reason, and opens a decision's
 action, observation and figures on click (docs/engine.md, "Tree files").
 
-What the page shows is computed here, from :class:`~branchgym.tree.RolloutTree`
+What the page shows is computed here, from :class:`~branchgym.rollout.tree.RolloutTree`
 itself (backbone, branch points, returns-to-go, which lines are valid), so the viewer
 agrees with the learners by construction; the script only lays out and draws.
 """
@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from branchgym.error import TreeFormatError
-from branchgym.tree import RolloutTree
+from branchgym.rollout.tree import RolloutTree
 from branchgym.tree_format import read_tree_file
 
 __all__ = ["configure", "render_html", "run", "tree_view", "write_view"]

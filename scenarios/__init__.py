@@ -4,7 +4,7 @@ Each scenario models one real snapshot-fidelity bug (its docstring says which) a
 wrapper over a freshly made base env, so it applies to every env in
 :data:`SCENARIO_ENVS` where it makes sense, and declares its expected verdict:
 
-* ``must-detect``: the property suite (:func:`branchgym.testing.check_snapshot_fidelity`)
+* ``must-detect``: the property suite (:func:`branchgym.fidelity.suite.check_snapshot_fidelity`)
   must flag it within its default budget;
 * ``benign``: correct behaviour that looks suspicious (randomness, timings, caches); no
   check may flag it.

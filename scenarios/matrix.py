@@ -4,7 +4,7 @@ Checks:
 
 * ``digest``: ``FidelityCheck(mode="digest")`` during a branching workload;
 * ``shadow``: ``FidelityCheck(mode="shadow")`` (replay twin) during the same workload;
-* ``property``: :func:`branchgym.testing.check_snapshot_fidelity` at its default budget.
+* ``property``: :func:`branchgym.fidelity.suite.check_snapshot_fidelity` at its default budget.
 
 The workload is what a branching learner does: seeded episodes, up to two snapshots per
 backbone at random steps, three sibling rollouts from each (algorithms.md §1, M = 2,
@@ -22,7 +22,7 @@ from typing import Any
 
 import numpy as np
 
-from branchgym.checker import ActionChooser
+from branchgym.fidelity.checks import ActionChooser
 from branchgym.scenarios import BENIGN, MUST_DETECT, SCENARIO_ENVS, SCENARIOS, ScenarioEnv
 
 __all__ = ["CHECKS", "Cell", "Row", "run_matrix", "render_matrix", "branching_workload"]
@@ -153,7 +153,7 @@ def run_matrix(
     """
     from tqdm import tqdm
 
-    from branchgym.testing import DEFAULT_MAX_EXAMPLES, check_snapshot_fidelity
+    from branchgym.fidelity.suite import DEFAULT_MAX_EXAMPLES, check_snapshot_fidelity
 
     names = list(scenarios) if scenarios else list(SCENARIOS)
     unknown = [n for n in names if n not in SCENARIOS]

@@ -110,7 +110,8 @@ def upward_imports(files, above):
 
 def test_engine_files_are_the_core_modules():
     rels = {p.relative_to(ROOT).as_posix() for p in engine_files()}
-    assert {"branchgym/core.py", "branchgym/testing.py", "branchgym/violation.py"} <= rels
+    core = {"branchgym/core.py", "branchgym/fidelity/suite.py", "branchgym/fidelity/violation.py"}
+    assert core <= rels
     assert not {r for r in rels if r.startswith(("branchgym/bench/", "branchgym/envs/"))}
     assert not rels & ENGINE_EXCLUDED
 
@@ -137,8 +138,8 @@ def test_engine_imports_nothing_above_it():
     """The engine never imports agents/, wrappers/, scenarios/, bench/ or envs/.
 
     Policies, losses, learners, wrappers, envs and studies build on the engine; the engine
-    only knows the policy protocol (:mod:`branchgym.policy`), the snapshot protocol
-    (:mod:`branchgym.core`) and the fidelity record (:mod:`branchgym.violation`).
+    only knows the policy protocol (:mod:`branchgym.rollout.policy`), the snapshot protocol
+    (:mod:`branchgym.core`) and the fidelity record (:mod:`branchgym.fidelity.violation`).
     """
     found = {
         (rel, module): line for rel, line, module in upward_imports(engine_files(), ABOVE_ENGINE)
@@ -151,6 +152,31 @@ def test_engine_imports_nothing_above_it():
     assert not offenders, "engine modules import what builds on them:\n" + "\n".join(offenders)
     stale = KNOWN_UPWARD - set(found)
     assert not stale, f"known upward imports are gone, drop them from KNOWN_UPWARD: {stale}"
+
+
+#: The engine's subpackages, each named by its step of the data path. They are engine
+#: modules like the top-level ones, and none has a known upward arrow.
+ENGINE_SUBPACKAGES = ("fidelity", "rollout")
+
+
+def test_engine_subpackages_import_nothing_above_the_engine():
+    """fidelity/ and rollout/ import neither wrappers/, envs/ nor bench/ (nor agents/).
+
+    The online wrapper (``wrappers/fidelity.py``) builds on ``branchgym.fidelity``, never
+    the reverse; no exception is allowed here, KNOWN_UPWARD included.
+    """
+    engine = set(engine_files())
+    for sub in ENGINE_SUBPACKAGES:
+        files = list(source_files(f"branchgym/{sub}"))
+        assert (ROOT / "branchgym" / sub / "__init__.py") in files
+        assert set(files) <= engine, f"branchgym/{sub}/ is left out of the engine"
+        assert sub not in ENGINE_EXCLUDED_FOLDERS
+        offenders = [
+            f"{rel}:{line}: {module}" for rel, line, module in upward_imports(files, ABOVE_ENGINE)
+        ]
+        assert not offenders, f"branchgym/{sub}/ imports what builds on it:\n" + "\n".join(
+            offenders
+        )
 
 
 def test_wrappers_import_neither_envs_nor_what_builds_on_them():

@@ -6,7 +6,7 @@ from pathlib import Path
 import pytest
 
 from branchgym.cli import main, play
-from tests.test_checker import AliasingTree  # noqa: F401  (importable target for module:attr)
+from tests.fidelity.test_checks import AliasingTree  # noqa: F401  (importable target for module:attr)
 
 
 def test_list(capsys):
@@ -18,7 +18,7 @@ def test_list(capsys):
 def test_check_ok_and_failures(capsys):
     assert main(["check", "branchgym/TreeMDP-v0"]) == 0
     assert "OK" in capsys.readouterr().out
-    assert main(["check", "tests.test_checker:AliasingTree"]) == 1
+    assert main(["check", "tests.fidelity.test_checks:AliasingTree"]) == 1
     assert "FAIL" in capsys.readouterr().out
     assert main(["check", "branchgym/TreeMDP-v7"]) == 1
     assert "Did you mean" in capsys.readouterr().err

@@ -27,7 +27,7 @@ def test_check_fails_when_only_the_property_suite_fails(capsys):
 
 
 def test_check_fails_on_a_broken_snapshot_with_both_reports(capsys):
-    assert main(["check", "tests.test_checker:AliasingTree", "--max-examples", "30"]) == 1
+    assert main(["check", "tests.fidelity.test_checks:AliasingTree", "--max-examples", "30"]) == 1
     out = capsys.readouterr().out
     assert "check(s) FAILED" in out and "violation: digest: state_digest" in out
 

@@ -19,8 +19,13 @@ import pytest
 import branchgym
 from branchgym.agents.policy import TextPolicy
 from branchgym.envs.toy.text_tree_mdp import TextTreeMDP
-from branchgym.executors import EnvRecipe, InProcessExecutor, ProcessExecutor, ThreadExecutor
-from branchgym.rollout import grow_tree
+from branchgym.rollout.executors import (
+    EnvRecipe,
+    InProcessExecutor,
+    ThreadExecutor,
+)
+from branchgym.rollout.grow import grow_tree
+from branchgym.rollout.process import ProcessExecutor
 
 cloudpickle.register_pickle_by_value(sys.modules[__name__])
 
@@ -155,7 +160,7 @@ def test_a_tree_past_its_budget_is_cut_and_says_so(make):
     assert any(n.error.startswith("not run") for n in cut)  # some never started
     assert not any(tree[i].error for i in tree.backbone)
     assert branchgym.live_snapshots().count == 0
-    from branchgym.rollout import group_rollouts
+    from branchgym.rollout.grow import group_rollouts
 
     with make() as ex:
         group = group_rollouts(
@@ -169,8 +174,8 @@ import sys, time, cloudpickle, gymnasium as gym
 sys.path.insert(0, {tests!r})
 import branchgym
 from branchgym.agents.policy import TextPolicy
-from branchgym.executors import EnvRecipe, {executor}
-from branchgym.rollout import grow_tree
+from {module} import {executor}
+from branchgym.rollout.grow import grow_tree
 from test_faults import spec_of, Faulty, grow
 cloudpickle.register_pickle_by_value(sys.modules["test_faults"])
 ex = {executor}(1, timeout={timeout})
@@ -181,15 +186,16 @@ print("grown", sum(1 for n in tree if n.error), flush=True)
 """
 
 
-def _script(executor, timeout):
+def _script(module, executor, timeout):
     tests = os.path.dirname(os.path.abspath(__file__))
-    return textwrap.dedent(HANG_SCRIPT.format(tests=tests, executor=executor, timeout=timeout))
+    script = HANG_SCRIPT.format(tests=tests, module=module, executor=executor, timeout=timeout)
+    return textwrap.dedent(script)
 
 
 def test_stuck_threads_never_block_the_interpreters_exit():
     t0 = time.perf_counter()
     out = subprocess.run(
-        [sys.executable, "-c", _script("ThreadExecutor", 0.5)],
+        [sys.executable, "-c", _script("branchgym.rollout.executors", "ThreadExecutor", 0.5)],
         capture_output=True, text=True, timeout=120,
     )  # fmt: skip
     took = time.perf_counter() - t0
@@ -200,7 +206,7 @@ def test_stuck_threads_never_block_the_interpreters_exit():
 
 def test_a_killed_driver_takes_its_stuck_worker_with_it():
     proc = subprocess.Popen(
-        [sys.executable, "-c", _script("ProcessExecutor", None)],
+        [sys.executable, "-c", _script("branchgym.rollout.process", "ProcessExecutor", None)],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
     )  # fmt: skip
     try:
@@ -248,7 +254,7 @@ def test_a_killed_driver_takes_its_stuck_worker_with_it():
 )
 def test_bad_run_options_are_refused_with_the_allowed_range(kwargs, match):
     from branchgym.error import OptionError
-    from branchgym.rollout import group_rollouts
+    from branchgym.rollout.grow import group_rollouts
 
     with pytest.raises(OptionError, match=match):
         grow(TEXT, None, **kwargs)
@@ -319,7 +325,7 @@ def test_the_same_seeds_give_the_same_tree_on_every_executor_and_size():
                 for max_concurrent in (1, 2, None):
                     tree = grow(spec, ex, max_concurrent=max_concurrent)
                     assert _summary(tree) == ref, (spec.id, ex.name, max_concurrent)
-    from branchgym.rollout import group_rollouts
+    from branchgym.rollout.grow import group_rollouts
 
     groups = [
         _summary(group_rollouts(noisy, TextPolicy(), 5, seed=2, rng=7, executor=make()))
@@ -346,7 +352,7 @@ def _children_of(pid):
 @pytest.mark.slow
 def test_the_fault_suite_on_ray_actors():
     ray = pytest.importorskip("ray")
-    from branchgym.executors import RayExecutor
+    from branchgym.rollout.ray import RayExecutor
 
     ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])  # Ray's own cloudpickle
     before = set(_children_of(os.getpid()))  # earlier tests' helpers are not Ray's

@@ -6,9 +6,9 @@ import gymnasium as gym
 import pytest
 
 import branchgym
-from branchgym.checker import check_env
 from branchgym.compare import first_difference
 from branchgym.error import SnapshotCorruptError, SnapshotMismatchError
+from branchgym.fidelity.checks import check_env
 from branchgym.wrappers import PickleSnapshot, ReplaySnapshot
 
 ENVS = [

@@ -11,9 +11,9 @@ import branchgym
 from branchgym.agents.policy import TextPolicy
 from branchgym.envs.toy.text_tree_mdp import TextTreeMDP
 from branchgym.error import DataError, TreeFormatError
-from branchgym.executors import EnvRecipe, InProcessExecutor
-from branchgym.rollout import grow_tree
-from branchgym.tree import RolloutTree
+from branchgym.rollout.executors import EnvRecipe, InProcessExecutor
+from branchgym.rollout.grow import grow_tree
+from branchgym.rollout.tree import RolloutTree
 from branchgym.tree_format import (
     FORMAT,
     VERSION,

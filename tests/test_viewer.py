@@ -20,7 +20,7 @@ import branchgym
 from branchgym.cli import main as cli_main
 from branchgym.envs.toy.text_tree_mdp import TextTreeMDP
 from branchgym.registration import unregister
-from branchgym.tree import RolloutTree
+from branchgym.rollout.tree import RolloutTree
 from branchgym.tree_format import read_tree_file, save_trees
 from branchgym.viewer import render_html, write_view
 

@@ -6,7 +6,7 @@
   (``digest`` and ``shadow`` modes).
 """
 
-from branchgym.violation import Violation
+from branchgym.fidelity.violation import Violation
 from branchgym.wrappers.fidelity import FidelityCheck
 from branchgym.wrappers.pickle_snapshot import PickleSnapshot
 from branchgym.wrappers.replay_snapshot import ReplaySnapshot

@@ -17,7 +17,7 @@ wrapper checks it online, during training or an evaluation run:
   state outside the snapshot: RNGs, caches, files, module globals, wrapper counters.
 * ``mode="both"``: the two together.
 
-A violation is recorded as a :class:`~branchgym.violation.Violation` (the check, the first
+A violation is recorded as a :class:`~branchgym.fidelity.violation.Violation` (the check, the first
 diverging step, the field and both values); ``on_violation`` says whether it then raises
 :class:`~branchgym.error.FidelityViolation`, warns with
 :class:`~branchgym.error.FidelityWarning`, or is only recorded in :attr:`FidelityCheck.violations`.
@@ -34,7 +34,6 @@ from typing import Any
 
 import gymnasium as gym
 
-from branchgym.checker import strip_volatile, volatile_keys
 from branchgym.compare import first_step_difference
 from branchgym.core import (
     Snapshot,
@@ -50,7 +49,8 @@ from branchgym.error import (
     FidelityWarning,
     ResetNeededError,
 )
-from branchgym.violation import Violation
+from branchgym.fidelity.checks import strip_volatile, volatile_keys
+from branchgym.fidelity.violation import Violation
 
 __all__ = ["FidelityCheck", "META_KEY"]
 
@@ -108,7 +108,7 @@ class FidelityCheck(SnapshotWrapper, gym.utils.RecordConstructorArgs):
             1.0 checks every one. Lower it to bound the cost during long training runs.
 
     Attributes:
-        violations: Every :class:`~branchgym.violation.Violation` seen so far.
+        violations: Every :class:`~branchgym.fidelity.violation.Violation` seen so far.
         stats: Counters: ``snapshots``, ``recorded``, ``restores``, ``verified``,
             ``unverified`` (snapshots not taken through a FidelityCheck), ``twins``,
             ``twins_skipped``, ``shadowed_steps``.
@@ -406,7 +406,7 @@ class FidelityCheck(SnapshotWrapper, gym.utils.RecordConstructorArgs):
             return
         if self._rng_excluded:
             # The stack declares its RNG outside the snapshot: continuations agree only in
-            # distribution (branchgym.testing's distributional mode tests that).
+            # distribution (branchgym.fidelity.suite's distributional mode tests that).
             return
         self._twin = _Twin(twin, route, rec["step"], self.shadow_steps)
 

@@ -268,7 +268,7 @@ def _tree_check(eng: VLLMEngine) -> dict[str, Any]:
 
     import branchgym
     from branchgym.agents.policy import Context, LLMPolicy, Turn
-    from branchgym.rollout import grow_tree
+    from branchgym.rollout.grow import grow_tree
 
     policy = LLMPolicy(eng, max_new_tokens=6)
     env = gym.make("branchgym/TextTreeMDP-v0", max_episode_steps=3)

@@ -25,8 +25,8 @@ from tqdm import tqdm
 
 from branchgym.bench import source
 from branchgym.bench.common import Report
-from branchgym.executors import InProcessExecutor
-from branchgym.tree import TreeStats
+from branchgym.rollout.executors import InProcessExecutor
+from branchgym.rollout.tree import TreeStats
 
 __all__ = ["configure", "main", "ENVS", "SOURCE_OVERHEAD", "SOURCE_TOKENS_SAVED"]
 
@@ -94,8 +94,8 @@ def _grow(
     ex: Any,
 ) -> TreeStats:
     """Sum the stats of one tree per seed; ``ex``'s pool is shared, so no env is rebuilt."""
-    from branchgym.executors import EnvRecipe
-    from branchgym.rollout import group_rollouts, grow_tree
+    from branchgym.rollout.executors import EnvRecipe
+    from branchgym.rollout.grow import group_rollouts, grow_tree
 
     spec = EnvRecipe(env_id, kwargs)
     total = TreeStats()
@@ -127,8 +127,8 @@ def _grow(
 def _state_keeping(report: Report, envs: dict[str, dict[str, Any]], n_trees: int, ex: Any) -> None:
     """Snapshot every step vs replay to the chosen steps, with a fast random text policy."""
     from branchgym.agents.policy import TextPolicy
-    from branchgym.executors import EnvRecipe
-    from branchgym.rollout import grow_tree
+    from branchgym.rollout.executors import EnvRecipe
+    from branchgym.rollout.grow import grow_tree
 
     rows = []
     for env_id, kwargs in envs.items():

@@ -23,7 +23,7 @@ branch points of K siblings, an ``LLMPolicy`` on the HF engine) grown two ways:
 
 * ``serial``: today's loop, trees one after another and the engine decoding one prompt
   at a time (``HFEngine(batch_prompts=False)``);
-* ``batched``: every tree in lockstep (:func:`branchgym.batch_rollout.grow_trees_batched`),
+* ``batched``: every tree in lockstep (:func:`branchgym.rollout.batch.grow_trees_batched`),
   one engine call per turn decoding all prompts in one left-padded batch, the envs of a
   turn stepped in one executor call.
 
@@ -232,8 +232,8 @@ def _rollout_rows(args: argparse.Namespace, report: Report) -> list:
 
     from branchgym.agents.engines.hf import HFEngine
     from branchgym.agents.policy import LLMPolicy
-    from branchgym.batch_rollout import BatchStats, grow_trees_batched
-    from branchgym.rollout import grow_tree, spec_of
+    from branchgym.rollout.batch import BatchStats, grow_trees_batched
+    from branchgym.rollout.grow import grow_tree, spec_of
 
     model, tok, name = _model(args.rollout_model)
     env = gym.make("branchgym/TextTreeMDP-v0", max_episode_steps=args.rollout_steps)

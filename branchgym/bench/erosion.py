@@ -177,8 +177,8 @@ def run_rate(*, p: float, kind: str, prompts: int, K: int, depth: int, seed: int
 
 def _detects(p: float, kind: str, depth: int, seed: int) -> str:
     from branchgym.core import SnapshotAPI
+    from branchgym.fidelity.suite import check_snapshot_fidelity
     from branchgym.scenarios.faults import RestoreFault
-    from branchgym.testing import check_snapshot_fidelity
 
     def make() -> gym.Env:
         return SnapshotAPI(

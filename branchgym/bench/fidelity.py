@@ -33,7 +33,7 @@ import numpy as np
 from tqdm import tqdm
 
 from branchgym.bench.common import Report
-from branchgym.checker import ActionChooser
+from branchgym.fidelity.checks import ActionChooser
 
 __all__ = ["configure", "main", "VARIANTS", "step_episode", "branching_episode"]
 
@@ -248,8 +248,8 @@ def section_overhead(report: Report, args: argparse.Namespace) -> dict[str, Any]
 
 def section_suite(report: Report, args: argparse.Namespace) -> None:
     """Wall time of the property suite at its default budget, per env."""
+    from branchgym.fidelity.suite import check_snapshot_fidelity
     from branchgym.registration import branch_specs
-    from branchgym.testing import check_snapshot_fidelity
 
     specs = [s for s in branch_specs() if not s.missing() and (not args.envs or s.id in args.envs)]
     rows = []

@@ -56,7 +56,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
 
 def _walk_to_depth(env: gym.Env, seed: int, depth: int) -> tuple[list[Any], float]:
     """Reset and take up to ``depth`` seeded random actions; returns (actions, seconds)."""
-    from branchgym.checker import ActionChooser
+    from branchgym.fidelity.checks import ActionChooser
 
     chooser = ActionChooser(env, seed)
     t0 = time.perf_counter()
@@ -80,7 +80,7 @@ def measure_env(
     ``other``, a second instance of the same spec, measures a *fork*: restoring the
     snapshot into another instance (what a sibling on another sandbox does).
     """
-    from branchgym.checker import ActionChooser
+    from branchgym.fidelity.checks import ActionChooser
 
     actions, _ = _walk_to_depth(env, seed, depth)
     chooser = ActionChooser(env, seed + 2)

@@ -202,8 +202,8 @@ def diagnose(
 
     import gymnasium as gym
 
-    from branchgym.executors import EnvRecipe, InProcessExecutor
-    from branchgym.rollout import grow_tree
+    from branchgym.rollout.executors import EnvRecipe, InProcessExecutor
+    from branchgym.rollout.grow import grow_tree
 
     if independent < 2 or completions < 2:
         raise ValueError("need at least 2 independent trajectories and 2 completions")

@@ -50,11 +50,11 @@ from branchgym.agents.metrics import advantage_metrics, rollout_metrics
 from branchgym.agents.policy import LLMPolicy
 from branchgym.agents.policy_kinds import PolicyKind
 from branchgym.agents.rows import Batch
-from branchgym.batch_rollout import run_batched
 from branchgym.error import DependencyMissingError, IntegrationError, TrainingConfigError
-from branchgym.executors import EnvRecipe, Executor
-from branchgym.rollout import group_rollouts, grow_tree
-from branchgym.tree import RolloutTree
+from branchgym.rollout.batch import run_batched
+from branchgym.rollout.executors import EnvRecipe, Executor
+from branchgym.rollout.grow import group_rollouts, grow_tree
+from branchgym.rollout.tree import RolloutTree
 
 try:
     import torch
@@ -292,7 +292,7 @@ class BranchingGRPOTrainer(GRPOTrainer):
             registered for the env id).
         prompts: Prompts of the default train set.
         executor: Where sandboxes run: a name (``inprocess``, ``thread``, ``process``) or
-            an :class:`~branchgym.executors.Executor` the caller owns.
+            an :class:`~branchgym.rollout.executors.Executor` the caller owns.
         **kwargs: Passed to ``GRPOTrainer`` (callbacks, peft_config, ...).
     """
 

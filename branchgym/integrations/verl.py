@@ -67,10 +67,10 @@ try:
 except ImportError as exc:  # pragma: no cover - exercised only without the extra
     raise DependencyMissingError.for_extra("branchgym.integrations.verl", "verl", "verl") from exc
 
-from branchgym.executors import EnvRecipe
-from branchgym.policy import Context
-from branchgym.rollout import grow_tree
-from branchgym.tree import RolloutTree
+from branchgym.rollout.executors import EnvRecipe
+from branchgym.rollout.grow import grow_tree
+from branchgym.rollout.policy import Context
+from branchgym.rollout.tree import RolloutTree
 
 __all__ = [
     "AGENT_NAME",

@@ -8,6 +8,6 @@
   'branchgym[serve]'``), OpenEnv's FastAPI stack with branchgym's session WebSocket.
 
 Clients: :class:`branchgym.remote.RemoteEnv` (one session, a ``SnapshottableEnv``) and
-:class:`branchgym.remote_executor.FleetExecutor` (many sessions over many servers).
+:class:`branchgym.rollout.fleet.FleetExecutor` (many sessions over many servers).
 See docs/serving.md.
 """

@@ -217,8 +217,8 @@ class BranchgymServer:
         return BranchgymEnvironment(self._make_env, self.env_id)
 
     def _description(self, env: gym.Env) -> dict[str, Any]:
-        from branchgym.checker import volatile_keys
         from branchgym.core import declares_rng_excluded
+        from branchgym.fidelity.checks import volatile_keys
 
         return {
             "protocol": PROTOCOL_VERSION,

@@ -12,9 +12,9 @@ from branchgym.agents.engines.hf import HFEngine  # noqa: E402
 from branchgym.agents.models import load_model, tiny_qwen2  # noqa: E402
 from branchgym.agents.policy import LLMPolicy  # noqa: E402
 from branchgym.agents.train import train  # noqa: E402
-from branchgym.batch_rollout import BatchStats, grow_trees_batched  # noqa: E402
 from branchgym.error import EngineError  # noqa: E402
-from branchgym.rollout import grow_tree, spec_of  # noqa: E402
+from branchgym.rollout.batch import BatchStats, grow_trees_batched  # noqa: E402
+from branchgym.rollout.grow import grow_tree, spec_of  # noqa: E402
 
 
 @pytest.fixture(scope="module")

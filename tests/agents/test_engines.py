@@ -18,8 +18,8 @@ from branchgym.agents.engines.hf import HFEngine  # noqa: E402
 from branchgym.agents.models import load_model, save_tiny_qwen2, tiny_qwen2  # noqa: E402
 from branchgym.agents.policy import ActRequest, Context, LLMPolicy, Turn  # noqa: E402
 from branchgym.error import DataError, EngineError  # noqa: E402
-from branchgym.rollout import grow_tree  # noqa: E402
-from branchgym.schedules import topk_entropy  # noqa: E402
+from branchgym.rollout.grow import grow_tree  # noqa: E402
+from branchgym.rollout.schedules import topk_entropy  # noqa: E402
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 VLLM_PY = ROOT / ".venv-vllm" / "bin" / "python"

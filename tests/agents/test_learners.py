@@ -24,7 +24,7 @@ from branchgym.agents.evaluation import exact_value  # noqa: E402
 from branchgym.agents.models import load_model, tiny_qwen2  # noqa: E402
 from branchgym.agents.scoring import ScoringPolicy  # noqa: E402
 from branchgym.agents.train import train  # noqa: E402
-from branchgym.executors import EnvRecipe  # noqa: E402
+from branchgym.rollout.executors import EnvRecipe  # noqa: E402
 
 ENV_KWARGS = {"depth": 3, "n_actions": 3, "reward_kind": "bernoulli", "structure_seed": 2}
 SPEC = EnvRecipe("branchgym/TextTreeMDP-v0", ENV_KWARGS)
@@ -164,7 +164,7 @@ def test_group_learners_leave_failed_rollouts_out_of_the_group():
     from branchgym.agents import grpo
     from branchgym.agents.metrics import rollout_metrics
     from branchgym.agents.rows import Batch
-    from branchgym.tree import RolloutTree
+    from branchgym.rollout.tree import RolloutTree
 
     t = RolloutTree("hand", 0, "start", {})
     for r, err in ((1.0, None), (0.0, None), (0.0, "sandbox crashed"), (1.0, None)):
@@ -180,7 +180,7 @@ def test_group_learners_leave_failed_rollouts_out_of_the_group():
 
 def test_bpo_leaves_failed_siblings_out_of_eq4():
     from branchgym.agents import bpo
-    from branchgym.tree import RolloutTree
+    from branchgym.rollout.tree import RolloutTree
 
     t = RolloutTree("hand", 0, "start", {})
     n0 = t.add(-1, action="a", text="a").id

@@ -27,7 +27,7 @@ from branchgym.agents.run import Batch, Run  # noqa: E402
 from branchgym.agents.train import train  # noqa: E402
 from branchgym.cli import main as cli_main  # noqa: E402
 from branchgym.error import TrainingConfigError  # noqa: E402
-from branchgym.rollout import grow_tree  # noqa: E402
+from branchgym.rollout.grow import grow_tree  # noqa: E402
 
 ENV_KWARGS = {"depth": 3, "n_actions": 3, "reward_kind": "bernoulli", "structure_seed": 2}
 TINY = {

@@ -45,9 +45,9 @@ from branchgym.error import (  # noqa: E402
     TrainingConfigError,
     UnknownEnvError,
 )
-from branchgym.executors import EnvRecipe  # noqa: E402
-from branchgym.rollout import group_rollouts, grow_tree  # noqa: E402
-from branchgym.tree import RolloutTree  # noqa: E402
+from branchgym.rollout.executors import EnvRecipe  # noqa: E402
+from branchgym.rollout.grow import group_rollouts, grow_tree  # noqa: E402
+from branchgym.rollout.tree import RolloutTree  # noqa: E402
 
 ENV_KWARGS = {"depth": 3, "n_actions": 3, "reward_kind": "bernoulli", "structure_seed": 2}
 SPEC = EnvRecipe("branchgym/TextTreeMDP-v0", ENV_KWARGS)

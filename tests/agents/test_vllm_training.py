@@ -33,7 +33,7 @@ from branchgym.agents.rows import Batch, Decision, Row  # noqa: E402
 from branchgym.agents.train import train  # noqa: E402
 from branchgym.agents.vllm_training import shared_worker, worker_model_folder  # noqa: E402
 from branchgym.error import DependencyMissingError, EngineError, TrainingConfigError  # noqa: E402
-from branchgym.policy import Context  # noqa: E402
+from branchgym.rollout.policy import Context  # noqa: E402
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 VLLM_PY = ROOT / ".venv-vllm" / "bin" / "python"

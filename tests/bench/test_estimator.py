@@ -212,8 +212,8 @@ def _learner_gradient_ratio(prompts, seed, **options):
     """The learner's own advantages (grow_tree + prompt_advantages) as a tabular gradient."""
     from branchgym.agents import bpo
     from branchgym.agents.policy import TabularPolicy
-    from branchgym.executors import EnvRecipe
-    from branchgym.rollout import grow_tree
+    from branchgym.rollout.executors import EnvRecipe
+    from branchgym.rollout.grow import grow_tree
 
     kw = {"depth": 3, "n_actions": 3, "reward_kind": "bernoulli", "structure_seed": 2}
     arr = est.TreeArrays.of(

@@ -214,8 +214,8 @@ def _learner_draws(tree_kw, pi, prompts, seed, **options):
     """
     from branchgym.agents import bpo
     from branchgym.agents.policy import TabularPolicy
-    from branchgym.executors import EnvRecipe
-    from branchgym.rollout import grow_tree
+    from branchgym.rollout.executors import EnvRecipe
+    from branchgym.rollout.grow import grow_tree
 
     args = bpo.Args(**options)
     args.check()

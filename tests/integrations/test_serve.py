@@ -17,7 +17,6 @@ pytest.importorskip("openenv")
 pytest.importorskip("websockets")
 
 from branchgym.agents.policy import TextPolicy  # noqa: E402
-from branchgym.checker import check_env  # noqa: E402
 from branchgym.error import (  # noqa: E402
     ForeignSnapshotError,
     RemoteAuthError,
@@ -25,12 +24,13 @@ from branchgym.error import (  # noqa: E402
     ResetNeededError,
     SnapshotReleasedError,
 )
-from branchgym.executors import EnvRecipe, InProcessExecutor  # noqa: E402
+from branchgym.fidelity.checks import check_env  # noqa: E402
+from branchgym.fidelity.suite import check_snapshot_fidelity  # noqa: E402
 from branchgym.remote import RemoteEnv  # noqa: E402
-from branchgym.remote_executor import FleetExecutor  # noqa: E402
-from branchgym.rollout import grow_tree  # noqa: E402
+from branchgym.rollout.executors import EnvRecipe, InProcessExecutor  # noqa: E402
+from branchgym.rollout.fleet import FleetExecutor  # noqa: E402
+from branchgym.rollout.grow import grow_tree  # noqa: E402
 from branchgym.serve.process import ServerProcess  # noqa: E402
-from branchgym.testing import check_snapshot_fidelity  # noqa: E402
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 

@@ -7,10 +7,10 @@ import pytest
 pytest.importorskip("openenv")
 pytest.importorskip("websockets")
 
-from branchgym.checker import check_env  # noqa: E402
+from branchgym.fidelity.checks import check_env  # noqa: E402
+from branchgym.fidelity.suite import check_snapshot_fidelity  # noqa: E402
 from branchgym.remote import RemoteEnv  # noqa: E402
 from branchgym.serve.process import ServerProcess  # noqa: E402
-from branchgym.testing import check_snapshot_fidelity  # noqa: E402
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 

@@ -6,9 +6,9 @@ pytest.importorskip("openenv")
 ray = pytest.importorskip("ray")
 
 from branchgym.agents.policy import TextPolicy  # noqa: E402
-from branchgym.executors import EnvRecipe  # noqa: E402
-from branchgym.remote_executor import FleetExecutor  # noqa: E402
-from branchgym.rollout import grow_tree  # noqa: E402
+from branchgym.rollout.executors import EnvRecipe  # noqa: E402
+from branchgym.rollout.fleet import FleetExecutor  # noqa: E402
+from branchgym.rollout.grow import grow_tree  # noqa: E402
 
 
 @pytest.mark.slow

@@ -28,7 +28,7 @@ from branchgym.error import (  # noqa: E402
     TrainingConfigError,
 )
 from branchgym.integrations import trl as bt  # noqa: E402
-from branchgym.rollout import grow_tree  # noqa: E402
+from branchgym.rollout.grow import grow_tree  # noqa: E402
 
 ENV = "branchgym/TextTreeMDP-v0"
 ENV_KWARGS = {"depth": 3, "n_actions": 3, "reward_kind": "bernoulli", "structure_seed": 2}
@@ -165,7 +165,7 @@ def fixed_tree():
 
     engine = HFEngine(model, tok, device="cpu", max_new_tokens=6)
     policy = LLMPolicy(engine, PickByReply(), max_new_tokens=6)
-    from branchgym.executors import EnvRecipe
+    from branchgym.rollout.executors import EnvRecipe
 
     tree = grow_tree(
         EnvRecipe(ENV, {**ENV_KWARGS, "max_episode_steps": 3}),

@@ -7,8 +7,8 @@ import gymnasium as gym
 import pytest
 
 import branchgym
-from branchgym.checker import ActionChooser
 from branchgym.cli import main
+from branchgym.fidelity.checks import ActionChooser
 from branchgym.scenarios import (
     BENIGN,
     MUST_DETECT,

@@ -205,7 +205,7 @@ def test_shadow_steps_limits_the_twin():
 
 def _trace(env, seed):
     """Every output of a seeded branching run (the same program for any env)."""
-    from branchgym.checker import ActionChooser
+    from branchgym.fidelity.checks import ActionChooser
 
     out, chooser = [], ActionChooser(env, seed)
     for ep in range(5):
@@ -233,7 +233,7 @@ def test_fidelity_check_is_transparent(mode):
 
 
 def test_snapshots_through_the_wrapper_pass_the_property_suite():
-    from branchgym.testing import check_snapshot_fidelity
+    from branchgym.fidelity.suite import check_snapshot_fidelity
 
     report = check_snapshot_fidelity(
         lambda: FidelityCheck(gym.make(TREE), mode="both"), max_examples=20

@@ -13,7 +13,6 @@ import numpy as np
 import pytest
 
 import branchgym
-from branchgym.checker import check_env, run_actions
 from branchgym.envs.alfworld import engine as engine_mod
 from branchgym.envs.alfworld.problems import (
     LAYOUTS,
@@ -35,6 +34,7 @@ from branchgym.error import (
     SnapshotCorruptError,
     SnapshotMismatchError,
 )
+from branchgym.fidelity.checks import check_env, run_actions
 
 needs_engine = pytest.mark.skipif(
     not engine_mod.engine_available(), reason="ALFWorld engine not installed (make alfworld)"

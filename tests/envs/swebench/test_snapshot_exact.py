@@ -19,7 +19,7 @@ import pytest
 
 from branchgym.envs.swebench.env import HOSTILE_ACTIONS, PROBE_ACTIONS
 from branchgym.envs.swebench.local import LocalBackend
-from branchgym.testing import check_snapshot_fidelity
+from branchgym.fidelity.suite import check_snapshot_fidelity
 
 GIT = "git -c user.name=a -c user.email=a@a"
 

@@ -9,9 +9,9 @@ import os
 import gymnasium as gym
 import pytest
 
-from branchgym.checker import check_env
 from branchgym.envs.swebench.env import PROBE_ACTIONS
 from branchgym.error import DependencyMissingError, SandboxUnavailableError
+from branchgym.fidelity.checks import check_env
 
 pytestmark = pytest.mark.docker
 ENV_ID = "branchgym/SWEBench-v0"

@@ -7,7 +7,6 @@ import gymnasium as gym
 import pytest
 
 import branchgym
-from branchgym.checker import CHECKS, check_env
 from branchgym.cli import play
 from branchgym.envs.swebench.env import PROBE_ACTIONS
 from branchgym.envs.swebench.local import list_local_mounts, wait_for_cleanup
@@ -18,6 +17,7 @@ from branchgym.error import (
     SnapshotNotPicklableError,
     SnapshotReleasedError,
 )
+from branchgym.fidelity.checks import CHECKS, check_env
 
 ENV_ID = "branchgym/SWEBench-v0"
 

@@ -14,8 +14,13 @@ import branchgym
 from branchgym.agents.policy import TextPolicy
 from branchgym.envs.swebench.local import list_local_mounts, wait_for_cleanup, work_root
 from branchgym.error import SandboxError
-from branchgym.executors import EnvRecipe, InProcessExecutor, ProcessExecutor, ThreadExecutor
-from branchgym.rollout import grow_tree
+from branchgym.rollout.executors import (
+    EnvRecipe,
+    InProcessExecutor,
+    ThreadExecutor,
+)
+from branchgym.rollout.grow import grow_tree
+from branchgym.rollout.process import ProcessExecutor
 
 cloudpickle.register_pickle_by_value(sys.modules[__name__])
 

@@ -173,8 +173,8 @@ def test_missing_image_says_how_to_load_it(docker_available, task_by_name):
 @pytest.mark.slow
 def test_check_env_on_a_real_image(fixture_task):
     """Snapshots of a SWE-bench image restore in another instance with its user and env."""
-    from branchgym.checker import check_env
     from branchgym.envs.swebench.env import PROBE_ACTIONS
+    from branchgym.fidelity.checks import check_env
 
     report = check_env(
         lambda: gym.make(

@@ -9,7 +9,6 @@ import gymnasium as gym
 import pytest
 
 import branchgym
-from branchgym.checker import check_env
 from branchgym.cli import play
 from branchgym.envs.webshop import WebShopEnv, load_catalog, run_expert
 from branchgym.envs.webshop.data import SPLITS, parse_pricing
@@ -21,6 +20,7 @@ from branchgym.error import (
     SnapshotCorruptError,
     SnapshotMismatchError,
 )
+from branchgym.fidelity.checks import check_env
 from tests.envs.webshop import webshop_data
 
 

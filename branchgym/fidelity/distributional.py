@@ -3,7 +3,7 @@
 At seeded snapshot states, :func:`distribution_phase` draws continuations from the
 snapshot restored into instances with independent random streams and from the original
 state (fresh instances reset with other seeds and replayed through the same prefix), and
-compares them with :func:`branchgym.permutation.permutation_test` at a Bonferroni level.
+compares them with :func:`branchgym.fidelity.permutation.permutation_test` at a Bonferroni level.
 """
 
 from __future__ import annotations
@@ -16,24 +16,24 @@ from typing import Any
 import gymnasium as gym
 import numpy as np
 
-from branchgym.checker import (
+from branchgym.compare import first_difference, first_step_difference
+from branchgym.core import restore, snapshot
+from branchgym.fidelity.checks import (
     ActionChooser,
     rollout_actions,
     run_actions,
     strip_volatile,
     volatile_keys,
 )
-from branchgym.compare import first_difference, first_step_difference
-from branchgym.core import restore, snapshot
-from branchgym.permutation import PermutationResult, permutation_test
-from branchgym.state_machine import (
+from branchgym.fidelity.machine import (
     Detected,
     EnvFactory,
     FidelityStats,
     digest_or_none,
     literal,
 )
-from branchgym.violation import Violation
+from branchgym.fidelity.permutation import PermutationResult, permutation_test
+from branchgym.fidelity.violation import Violation
 
 __all__ = [
     "DistributionResult",

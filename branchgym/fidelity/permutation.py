@@ -123,7 +123,7 @@ def permutation_test(
 ) -> PermutationResult:
     """Two-sample permutation test that continuations ``a`` and ``b`` share one distribution.
 
-    Each continuation is a list of step tuples (as :func:`branchgym.checker.run_actions`
+    Each continuation is a list of step tuples (as :func:`branchgym.fidelity.checks.run_actions`
     returns). Features are each step's observation, reward, terminated, truncated and
     info; the statistic is the largest distance over features: Kolmogorov-Smirnov for
     float features (episode end counts as -inf), total variation for the rest. Its null

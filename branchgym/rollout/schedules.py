@@ -33,7 +33,7 @@ from typing import Any
 import numpy as np
 
 from branchgym.error import ScheduleError
-from branchgym.tree import ENTROPY_REDUCTIONS, RolloutTree
+from branchgym.rollout.tree import ENTROPY_REDUCTIONS, RolloutTree
 
 __all__ = [
     "ForkPoint",
@@ -597,5 +597,5 @@ def get_schedule(schedule: str | Schedule) -> Schedule:
     hint = f" Did you mean {' or '.join(map(repr, close))}?" if close else ""
     raise ScheduleError(
         f"no branch schedule is named {schedule!r}.{hint} Known: {', '.join(SCHEDULES)}; "
-        "add one with branchgym.schedules.register_schedule(name, fn)."
+        "add one with branchgym.rollout.schedules.register_schedule(name, fn)."
     )

@@ -6,15 +6,15 @@ import pytest
 
 import branchgym
 from branchgym.agents.policy import ActRequest, Context, TextPolicy
-from branchgym.batch_rollout import (
+from branchgym.error import OptionError
+from branchgym.rollout.batch import (
     BatchStats,
     group_rollouts_batched,
     grow_trees_batched,
     run_batched,
 )
-from branchgym.error import OptionError
-from branchgym.executors import InProcessExecutor
-from branchgym.rollout import group_rollouts, grow_tree
+from branchgym.rollout.executors import InProcessExecutor
+from branchgym.rollout.grow import group_rollouts, grow_tree
 
 TEXT = "branchgym/TextTreeMDP-v0"
 KW = {"m": 2, "k": 3, "schedule_options": {"gap_unit": "steps"}}

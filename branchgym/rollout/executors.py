@@ -9,10 +9,18 @@ pool keyed by :class:`EnvRecipe`; a *session* is one instance playing one rollou
   ``max_instances=1`` every sibling restores into the same instance (the fast path).
 * :class:`ThreadExecutor`: instances in this process, calls on a thread pool (sandboxes
   that wait on I/O: containers, subprocesses, HTTP).
-* :class:`ProcessExecutor`: worker processes, each with its own pool (CPU-bound
-  sandboxes; a crashing sandbox takes down only its worker).
-* :class:`RayExecutor`: Ray actors (``pip install 'branchgym[ray]'``), to scale
-  sandboxes past one machine.
+* :class:`~branchgym.rollout.process.ProcessExecutor` (:mod:`branchgym.rollout.process`):
+  worker processes, each with its own pool (CPU-bound sandboxes; a crashing sandbox takes
+  down only its worker).
+* :class:`~branchgym.rollout.ray.RayExecutor` (:mod:`branchgym.rollout.ray`): Ray actors
+  (``pip install 'branchgym[ray]'``), to scale sandboxes past one machine.
+* :class:`~branchgym.rollout.fleet.FleetExecutor` (:mod:`branchgym.rollout.fleet`): the
+  servers of ``branchgym serve``.
+
+This module holds what they share: the recipe, the outcome, the :class:`EnvWorker` every
+executor drives, the :class:`Executor` base and :class:`WorkerExecutor`, the base of those
+whose instances live in workers, and the registry :data:`EXECUTORS`, into which each
+kind's module adds itself.
 
 Snapshots that pickle are portable: remote executors bring them to the driver, and a
 sibling restores into any free instance on any worker. Snapshots that do not pickle
@@ -22,9 +30,11 @@ A crash (an exception in the sandbox, a dead worker process or actor) or a timeo
 one call is reported in that call's :class:`Outcome` and ends only that session; the
 executor replaces a lost worker and goes on.
 
-Why this module is over 600 lines: every executor (in-process, threads, processes, Ray)
-drives the same :class:`EnvWorker` through its ``op_*`` calls, and the worker and its
-callers must agree call by call; one module keeps that protocol in one place.
+Why this module is over 600 lines: every executor (in-process, threads, processes, Ray,
+fleet) drives the same :class:`EnvWorker` through its ``op_*`` calls, and the worker and
+the executors' shared dispatch (:class:`Executor`, :class:`WorkerExecutor`) must agree
+call by call; this module keeps that protocol in one place, and each kind of worker
+(process, Ray actor, server) lives in its own module.
 """
 
 from __future__ import annotations
@@ -33,8 +43,6 @@ import abc
 import collections
 import dataclasses
 import itertools
-import multiprocessing
-import os
 import pickle
 import signal
 import threading
@@ -49,7 +57,7 @@ import numpy as np
 
 from branchgym.core import LiveSnapshots, Snapshot, live_snapshots, reseed, restore, snapshot
 from branchgym.digest import stable_hash
-from branchgym.error import DependencyMissingError, ExecutorError, SnapshotNotSupportedError
+from branchgym.error import ExecutorError, SnapshotNotSupportedError
 
 __all__ = [
     "EnvRecipe",
@@ -58,8 +66,8 @@ __all__ = [
     "Executor",
     "InProcessExecutor",
     "ThreadExecutor",
-    "ProcessExecutor",
-    "RayExecutor",
+    "WorkerExecutor",
+    "Call",
     "EXECUTORS",
     "make_executor",
     "EnvWorker",
@@ -388,7 +396,9 @@ def _outcome(session: int, d: dict[str, Any]) -> Outcome:
 
 
 @dataclasses.dataclass
-class _Call:
+class Call:
+    """One call of a session: the :class:`EnvWorker` op, its arguments, the worker."""
+
     op: str
     session: int
     args: tuple
@@ -420,7 +430,7 @@ class Executor(abc.ABC):
 
     # -- what subclasses provide ----------------------------------------------------
     @abc.abstractmethod
-    def _run(self, calls: list[_Call]) -> list[dict[str, Any]]:
+    def _run(self, calls: list[Call]) -> list[dict[str, Any]]:
         """Run calls (at most one per session) and return their result dicts in order."""
 
     def _place(self, ref: SnapshotRef | None) -> int:
@@ -457,14 +467,14 @@ class Executor(abc.ABC):
             sid = next(self._sessions)
             w = self._place(None)
             self._where[sid] = w
-            calls.append(_Call("reset", sid, (spec, seed, options, rs), w))
+            calls.append(Call("reset", sid, (spec, seed, options, rs), w))
         return self._outcomes(calls)
 
     def step(self, sessions: Sequence[int], actions: Sequence[Any]) -> list[Outcome]:
         """Step each session with its action, in parallel."""
         self._check_open()
         calls = [
-            _Call("step", s, (a,), self._where.get(s, 0))
+            Call("step", s, (a,), self._where.get(s, 0))
             for s, a in zip(sessions, actions, strict=True)
         ]
         return self._outcomes(calls)
@@ -472,7 +482,7 @@ class Executor(abc.ABC):
     def snapshot(self, sessions: Sequence[int]) -> list[Outcome]:
         """Snapshot each session; ``Outcome.snapshot`` holds the :class:`SnapshotRef`."""
         self._check_open()
-        calls = [_Call("snapshot", s, (self.remote,), self._where.get(s, 0)) for s in sessions]
+        calls = [Call("snapshot", s, (self.remote,), self._where.get(s, 0)) for s in sessions]
         out = []
         for call, d in zip(calls, self._run(calls), strict=True):
             o = _outcome(call.session, d)
@@ -523,14 +533,14 @@ class Executor(abc.ABC):
             if pf is not None:
                 self._where.pop(pf, None)
             snap = ref.snapshot if ref.remote_id is None else None
-            calls.append(_Call("restore", sid, (spec, snap, ref.remote_id, rs, pf), w))
+            calls.append(Call("restore", sid, (spec, snap, ref.remote_id, rs, pf), w))
         return self._outcomes(calls)
 
     def close(self, sessions: Sequence[int]) -> None:
         """Return the sessions' instances to their pools."""
         if self._closed:
             return
-        calls = [_Call("close", s, (), self._where.pop(s)) for s in sessions if s in self._where]
+        calls = [Call("close", s, (), self._where.pop(s)) for s in sessions if s in self._where]
         if calls:
             self._run(calls)
 
@@ -539,7 +549,7 @@ class Executor(abc.ABC):
         if ref.snapshot is not None:
             ref.snapshot.release()
         elif ref.remote_id is not None and not self._closed:
-            self._run([_Call("release", -1, (ref.remote_id,), ref.worker or 0)])
+            self._run([Call("release", -1, (ref.remote_id,), ref.worker or 0)])
             ref.remote_id = None
 
     def live_snapshots(self) -> LiveSnapshots:
@@ -556,7 +566,7 @@ class Executor(abc.ABC):
     def __exit__(self, *exc: object) -> None:
         self.shutdown()
 
-    def _outcomes(self, calls: list[_Call]) -> list[Outcome]:
+    def _outcomes(self, calls: list[Call]) -> list[Outcome]:
         live = [c for c in calls if c.session not in self._lost]
         done = dict(zip((id(c) for c in live), self._run(live) if live else [], strict=True))
         results = [
@@ -604,7 +614,7 @@ class InProcessExecutor(Executor):
         """``max_instances`` (sessions of one spec at once)."""
         return self.worker.max_instances
 
-    def _call(self, call: _Call) -> dict[str, Any]:
+    def _call(self, call: Call) -> dict[str, Any]:
         if self.timeout is None or threading.current_thread() is not threading.main_thread():
             return self.worker.call(call.op, call.session, call.args)
 
@@ -619,7 +629,7 @@ class InProcessExecutor(Executor):
             signal.setitimer(signal.ITIMER_REAL, 0)
             signal.signal(signal.SIGALRM, old)
 
-    def _run(self, calls: list[_Call]) -> list[dict[str, Any]]:
+    def _run(self, calls: list[Call]) -> list[dict[str, Any]]:
         return [self._call(c) for c in calls]
 
     def shutdown(self) -> None:
@@ -734,7 +744,7 @@ class ThreadExecutor(InProcessExecutor):
         """Threads."""
         return self.n_workers
 
-    def _run(self, calls: list[_Call]) -> list[dict[str, Any]]:
+    def _run(self, calls: list[Call]) -> list[dict[str, Any]]:
         queued = time.monotonic()
         futs = {
             self.pool.submit(lambda c=c: self.worker.call(c.op, c.session, c.args)): i
@@ -781,7 +791,7 @@ class ThreadExecutor(InProcessExecutor):
 # ------------------------------------------------------------------ remote executors
 
 
-class _RemoteExecutor(Executor):
+class WorkerExecutor(Executor):
     """Shared logic of executors whose instances live in workers (processes, actors)."""
 
     remote = True
@@ -822,7 +832,7 @@ class _RemoteExecutor(Executor):
         return min(range(self.n_workers), key=lambda w: (counts.get(w, 0), w))
 
     @abc.abstractmethod
-    def _send(self, worker: int, call_id: int, call: _Call) -> None:
+    def _send(self, worker: int, call_id: int, call: Call) -> None:
         """Queue a call on a worker (workers run their calls in order)."""
 
     @abc.abstractmethod
@@ -850,7 +860,7 @@ class _RemoteExecutor(Executor):
                 self._where.pop(sid)
                 self._lost[sid] = why
 
-    def _run(self, calls: list[_Call]) -> list[dict[str, Any]]:
+    def _run(self, calls: list[Call]) -> list[dict[str, Any]]:
         results: list[Any] = [None] * len(calls)
         queues: dict[int, collections.deque] = collections.defaultdict(collections.deque)
         head_start: dict[int, float] = {}
@@ -891,260 +901,17 @@ class _RemoteExecutor(Executor):
     def live_snapshots(self) -> LiveSnapshots:
         """Unreleased snapshots in the driver plus every worker."""
         mine = live_snapshots()
-        res = self._run([_Call("live", -1, (), w) for w in range(self.n_workers)])
+        res = self._run([Call("live", -1, (), w) for w in range(self.n_workers)])
         count = mine.count + sum(r.get("count", 0) for r in res)
         nbytes = mine.nbytes + sum(r.get("nbytes", 0) for r in res)
         return LiveSnapshots(count, nbytes)
 
 
-def _watch_parent(period: float = 0.5) -> None:
-    """Exit this worker when its driver is gone, even while a sandbox call is stuck.
-
-    A daemon thread polls the parent pid: a driver killed with SIGKILL never closes the
-    pipe's other end cleanly, and a worker stuck in a sandbox call would never read it.
-    """
-    parent = os.getppid()
-
-    def watch() -> None:
-        while True:
-            time.sleep(period)
-            if os.getppid() != parent:  # re-parented: the driver died
-                os._exit(70)
-
-    threading.Thread(target=watch, name="branchgym-orphan-watch", daemon=True).start()
-
-
-def _worker_main(conn: Any, max_instances: int | None) -> None:
-    """Loop of a :class:`ProcessExecutor` worker: calls in, results out, in order."""
-    import cloudpickle
-
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the driver decides when workers stop
-    _watch_parent()
-    worker = EnvWorker(max_instances, remote=True)
-    conn.send_bytes(b"ready")  # timeouts count from here, not from the spawn
-    while True:
-        try:
-            msg = conn.recv_bytes()
-        except (EOFError, OSError):
-            break
-        call_id, op, session, args = cloudpickle.loads(msg)
-        result = worker.call(op, session, args)
-        try:
-            payload = cloudpickle.dumps((call_id, result))
-        except Exception as exc:  # an observation that does not pickle
-            payload = cloudpickle.dumps((call_id, {"error": f"result does not pickle: {exc}"}))
-        conn.send_bytes(payload)
-        if op == "shutdown":
-            break
-
-
-class ProcessExecutor(_RemoteExecutor):
-    """Instances in ``n_workers`` worker processes (started with ``spawn``).
-
-    Args:
-        n_workers: Worker processes.
-        max_instances: Instances per spec in each worker.
-        timeout: Per-call limit; a worker past it is killed and replaced, and the
-            sessions it held are reported lost.
-        start_method: ``spawn`` (default, safe with torch and threads) or ``forkserver``.
-        sessions_per_worker: Sessions a worker hosts at once (1: a crash loses only the
-            crashing session).
-    """
-
-    name = "process"
-
-    def __init__(
-        self,
-        n_workers: int = 2,
-        max_instances: int | None = None,
-        timeout: float | None = DEFAULT_TIMEOUT,
-        start_method: str = "spawn",
-        sessions_per_worker: int = 1,
-    ) -> None:
-        """Start the workers."""
-        super().__init__(n_workers, max_instances, timeout, sessions_per_worker)
-        self._ctx = multiprocessing.get_context(start_method)
-        self._procs: list[Any] = [None] * n_workers
-        self._conns: list[Any] = [None] * n_workers
-        for w in range(n_workers):
-            self._start(w)
-
-    def _start(self, w: int) -> None:
-        parent, child = self._ctx.Pipe()
-        proc = self._ctx.Process(target=_worker_main, args=(child, self.max_instances), daemon=True)
-        proc.start()
-        child.close()
-        if not parent.poll(120) or parent.recv_bytes() != b"ready":
-            proc.kill()
-            raise ExecutorError(
-                f"worker process {w} did not start within 120 s (exit code {proc.exitcode}); "
-                "check that branchgym imports in a fresh interpreter."
-            )
-        self._procs[w], self._conns[w] = proc, parent
-
-    @property
-    def pids(self) -> list[int]:
-        """Worker process ids."""
-        return [p.pid for p in self._procs]
-
-    def _send(self, worker: int, call_id: int, call: _Call) -> None:
-        import cloudpickle
-
-        try:
-            self._conns[worker].send_bytes(
-                cloudpickle.dumps((call_id, call.op, call.session, call.args))
-            )
-        except (BrokenPipeError, OSError):
-            pass  # the worker is dead; _ready reports it
-
-    def _ready(self, timeout: float | None) -> list[tuple[int, int | None, Any]]:
-        from multiprocessing.connection import wait
-
-        import cloudpickle
-
-        conns = {c: w for w, c in enumerate(self._conns)}
-        out = []
-        for conn in wait(list(conns), timeout):
-            w = conns[conn]
-            try:
-                call_id, res = cloudpickle.loads(conn.recv_bytes())
-                out.append((w, call_id, res))
-            except (EOFError, OSError):
-                self._procs[w].join(timeout=1)
-                out.append((w, None, f"exit code {self._procs[w].exitcode}"))
-        return out
-
-    def _restart(self, worker: int) -> None:
-        proc = self._procs[worker]
-        if proc is not None and proc.is_alive():
-            proc.kill()
-        if proc is not None:
-            proc.join(timeout=5)
-        self._conns[worker].close()
-        self._start(worker)
-
-    def shutdown(self) -> None:
-        """Stop every worker (their instances close). Idempotent."""
-        if self._closed:
-            return
-        try:
-            self._run([_Call("shutdown", -1, (), w) for w in range(self.n_workers)])
-        except Exception:  # pragma: no cover - best effort at exit
-            pass
-        for proc, conn in zip(self._procs, self._conns, strict=True):
-            proc.join(timeout=5)
-            if proc.is_alive():
-                proc.kill()
-                proc.join(timeout=5)
-            conn.close()
-        super().shutdown()
-
-
-class RayExecutor(_RemoteExecutor):
-    """Instances in ``n_workers`` Ray actors (``pip install 'branchgym[ray]'``).
-
-    Call ``ray.init(...)`` first to pick the cluster (``ray.init(num_cpus=2)`` locally);
-    without it Ray starts a local one. A dead actor or a call past ``timeout`` is
-    reported on that session, and the actor is replaced.
-
-    Args:
-        n_workers: Actors.
-        max_instances: Instances per spec in each actor.
-        timeout: Per-call limit in seconds.
-        actor_options: Passed to ``.options()`` (``num_cpus``, ``resources``, ...).
-        sessions_per_worker: Sessions an actor hosts at once.
-    """
-
-    name = "ray"
-
-    def __init__(
-        self,
-        n_workers: int = 2,
-        max_instances: int | None = None,
-        timeout: float | None = DEFAULT_TIMEOUT,
-        actor_options: dict[str, Any] | None = None,
-        sessions_per_worker: int = 1,
-    ) -> None:
-        """Start the actors."""
-        try:
-            import ray
-        except ImportError as exc:
-            raise DependencyMissingError.for_extra("RayExecutor", "ray", "ray") from exc
-        super().__init__(n_workers, max_instances, timeout, sessions_per_worker)
-        self._ray = ray
-        if not ray.is_initialized():
-            ray.init(num_cpus=max(1, os.cpu_count() or 1), include_dashboard=False)
-        self._actor_cls = ray.remote(_RayWorker)
-        self._actor_options = {"num_cpus": 0, **(actor_options or {})}
-        self._actors: list[Any] = [None] * n_workers
-        self._pending: dict[Any, tuple[int, int]] = {}
-        for w in range(n_workers):
-            self._actors[w] = self._actor_cls.options(**self._actor_options).remote(max_instances)
-        # wait for the actors to be up, so per-call timeouts do not count their start-up
-        ray.get([a.call.remote("live", -1, ()) for a in self._actors])
-
-    def _send(self, worker: int, call_id: int, call: _Call) -> None:
-        ref = self._actors[worker].call.remote(call.op, call.session, call.args)
-        self._pending[ref] = (worker, call_id)
-
-    def _ready(self, timeout: float | None) -> list[tuple[int, int | None, Any]]:
-        ray = self._ray
-        if not self._pending:
-            return []
-        done, _ = ray.wait(list(self._pending), num_returns=1, timeout=timeout)
-        out = []
-        for ref in done:
-            worker, call_id = self._pending.pop(ref)
-            try:
-                out.append((worker, call_id, ray.get(ref)))
-            except ray.exceptions.RayError as exc:
-                out.append((worker, None, f"{type(exc).__name__}: {str(exc)[:300]}"))
-        return out
-
-    def _restart(self, worker: int) -> None:
-        ray = self._ray
-        for ref, (w, _) in list(self._pending.items()):
-            if w == worker:
-                self._pending.pop(ref)
-        try:
-            ray.kill(self._actors[worker], no_restart=True)
-        except Exception:  # already dead
-            pass
-        self._actors[worker] = self._actor_cls.options(**self._actor_options).remote(
-            self.max_instances
-        )
-
-    def shutdown(self) -> None:
-        """Stop the actors (their instances close). Idempotent."""
-        if self._closed:
-            return
-        try:
-            self._run([_Call("shutdown", -1, (), w) for w in range(self.n_workers)])
-        finally:
-            for actor in self._actors:
-                try:
-                    self._ray.kill(actor, no_restart=True)
-                except Exception:  # pragma: no cover
-                    pass
-            super().shutdown()
-
-
-class _RayWorker:
-    """The Ray actor: an :class:`EnvWorker` behind one method."""
-
-    def __init__(self, max_instances: int | None) -> None:
-        self.worker = EnvWorker(max_instances, remote=True)
-
-    def call(self, op: str, session: int, args: tuple) -> dict[str, Any]:
-        return self.worker.call(op, session, args)
-
-
-#: name -> executor class, for ``grow_tree(executor="process")`` and the CLI.
+#: name -> executor class, for ``grow_tree(executor="process")`` and the CLI ("process",
+#: "ray" and "fleet" are added by their modules).
 EXECUTORS: dict[str, type[Executor]] = {
     "inprocess": InProcessExecutor,
     "thread": ThreadExecutor,
-    "process": ProcessExecutor,
-    "ray": RayExecutor,
 }
 
 
@@ -1157,6 +924,9 @@ def make_executor(name: str | Executor, **kwargs: Any) -> Executor:
     return EXECUTORS[name](**kwargs)
 
 
-# The fleet executor (servers of `branchgym serve`) lives in its own module, which adds
-# itself to EXECUTORS as "fleet" when imported.
-import branchgym.remote_executor  # noqa: E402,F401
+# The executors whose instances live in workers (processes, Ray actors, the servers of
+# `branchgym serve`) each live in their own module, which adds itself to EXECUTORS when
+# imported.
+import branchgym.rollout.fleet  # noqa: E402,F401
+import branchgym.rollout.process  # noqa: E402,F401
+import branchgym.rollout.ray  # noqa: E402,F401

@@ -10,9 +10,9 @@ Installed with branchgym, so any project's pytest gains, with one line:
 
   (``--branchgym-fidelity TARGET`` on the command line does the same);
 * the fixture ``snapshot_fidelity``: ``snapshot_fidelity(MySandbox)`` runs
-  :func:`branchgym.testing.check_snapshot_fidelity` and fails the test with its report.
+  :func:`branchgym.fidelity.suite.check_snapshot_fidelity` and fails the test with its report.
 
-``branchgym.testing.fidelity_test(MySandbox)`` is the plugin-free alternative. Disable
+``branchgym.fidelity.suite.fidelity_test(MySandbox)`` is the plugin-free alternative. Disable
 the plugin with ``-p no:branchgym``. Importing this module is cheap: branchgym itself
 is imported only when a check runs.
 """
@@ -52,7 +52,7 @@ def pytest_addoption(parser: pytest.Parser) -> None:
 
 
 def _check(target: Any, default_max_examples: int | None, kwargs: dict[str, Any]) -> Any:
-    from branchgym.testing import DEFAULT_MAX_EXAMPLES, check_snapshot_fidelity
+    from branchgym.fidelity.suite import DEFAULT_MAX_EXAMPLES, check_snapshot_fidelity
 
     kwargs = {"max_examples": default_max_examples or DEFAULT_MAX_EXAMPLES, **kwargs}
     return check_snapshot_fidelity(target, **kwargs)
@@ -103,7 +103,7 @@ def pytest_collection_modifyitems(
 def snapshot_fidelity(request: pytest.FixtureRequest) -> Iterator[Callable[..., Any]]:
     """``snapshot_fidelity(env_fn, **kwargs)``: check an env, fail the test on a violation.
 
-    Keyword arguments go to :func:`branchgym.testing.check_snapshot_fidelity`; the
+    Keyword arguments go to :func:`branchgym.fidelity.suite.check_snapshot_fidelity`; the
     report is returned when the env passes.
     """
     max_examples = request.config.getoption("--branchgym-max-examples")

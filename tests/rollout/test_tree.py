@@ -3,7 +3,7 @@
 import numpy as np
 import pytest
 
-from branchgym.tree import ROOT, RolloutTree, TreeStats, action_entropy
+from branchgym.rollout.tree import ROOT, RolloutTree, TreeStats, action_entropy
 
 
 def node(tokens, reward=0.0, done=False, prefix_len=0, ent=None):

@@ -1,6 +1,6 @@
 """The policy protocol: what the branching engine asks a policy and what it gets back.
 
-The engine (:mod:`branchgym.rollout`) asks a :class:`Policy` for actions in batches of
+The engine (:mod:`branchgym.rollout.grow`) asks a :class:`Policy` for actions in batches of
 :class:`ActRequest` (a context, how many samples, and optionally token ids the action
 must start with, for forks inside a turn) and gets :class:`ActionSample` objects back:
 the env action, its text, token ids, the behaviour policy's per-token log-probs and

@@ -1,8 +1,8 @@
 """The record of one snapshot-fidelity violation, shared by every fidelity check.
 
-The property suite (:mod:`branchgym.testing`, :mod:`branchgym.state_machine`), the
-distributional mode (:mod:`branchgym.distributional`), the report
-(:mod:`branchgym.fidelity_report`) and the online wrapper
+The property suite (:mod:`branchgym.fidelity.suite`, :mod:`branchgym.fidelity.machine`), the
+distributional mode (:mod:`branchgym.fidelity.distributional`), the report
+(:mod:`branchgym.fidelity.report`) and the online wrapper
 (:class:`branchgym.wrappers.FidelityCheck`) all describe what they caught with one
 :class:`Violation`. It lives in the engine so the engine never imports the wrappers.
 """

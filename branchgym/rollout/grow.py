@@ -28,7 +28,7 @@ How states at candidate points are kept until the schedule picks (``keep=``):
 The policy stays in this process: siblings advance in lockstep, so each policy call
 is one batch, and the K-1 siblings of a branch point ask for their first action in one
 request (an LLM engine samples them from one shared prefix). Environment calls go to an
-:class:`~branchgym.executors.Executor`.
+:class:`~branchgym.rollout.executors.Executor`.
 
 Failures never shrink a tree: a sibling whose restore, step or sandbox fails, or that
 the tree's time budget (``tree_timeout``) cuts or never starts, is a leaf whose
@@ -54,10 +54,16 @@ from tqdm import tqdm
 
 from branchgym.compare import first_difference
 from branchgym.error import OptionError
-from branchgym.executors import EnvRecipe, Executor, InProcessExecutor, SnapshotRef, make_executor
-from branchgym.policy import ActionSample, ActRequest, Context, Policy, Turn
-from branchgym.schedules import ForkPoint, get_schedule
-from branchgym.tree import ROOT, Node, RolloutTree
+from branchgym.rollout.executors import (
+    EnvRecipe,
+    Executor,
+    InProcessExecutor,
+    SnapshotRef,
+    make_executor,
+)
+from branchgym.rollout.policy import ActionSample, ActRequest, Context, Policy, Turn
+from branchgym.rollout.schedules import ForkPoint, get_schedule
+from branchgym.rollout.tree import ROOT, Node, RolloutTree
 
 __all__ = ["grow_tree", "group_rollouts", "spec_of", "KEEP_MODES"]
 
@@ -499,7 +505,7 @@ def grow_tree(
         env: An env instance (siblings restore into it one after another: the fast
             path), an :class:`EnvRecipe`, or a registered id.
         policy: Samples actions (see :mod:`branchgym.agents.policy`).
-        schedule: A name in :data:`branchgym.schedules.SCHEDULES` or a function.
+        schedule: A name in :data:`branchgym.rollout.schedules.SCHEDULES` or a function.
         m: Branch points M (B for BranchOPD).
         k: Siblings per branch point K, the backbone's own action included. Rollouts:
             N = 1 + M(K-1).
@@ -531,7 +537,7 @@ def grow_tree(
             its own limit too (the executor's ``timeout``).
 
     Returns:
-        The tree, its :class:`~branchgym.tree.TreeStats` filled in. Every scheduled
+        The tree, its :class:`~branchgym.rollout.tree.TreeStats` filled in. Every scheduled
         rollout is in it: played out, or a leaf whose ``error`` says why it did not run
         or stopped (restore failed, sandbox crashed, timed out). Every snapshot it took is
         released, even when a sibling failed.

@@ -6,9 +6,9 @@ import pytest
 
 import branchgym
 from branchgym.agents.policy import ScriptedPolicy, TabularPolicy, TextPolicy
-from branchgym.executors import EnvRecipe, InProcessExecutor
-from branchgym.rollout import group_rollouts, grow_tree
-from branchgym.schedules import ForkPoint
+from branchgym.rollout.executors import EnvRecipe, InProcessExecutor
+from branchgym.rollout.grow import group_rollouts, grow_tree
+from branchgym.rollout.schedules import ForkPoint
 
 TEXT = "branchgym/TextTreeMDP-v0"
 STEPS = {"gap_unit": "steps"}

@@ -12,14 +12,14 @@ import branchgym
 from branchgym.agents.policy import TextPolicy
 from branchgym.envs.toy.text_tree_mdp import TextTreeMDP
 from branchgym.error import ExecutorError
-from branchgym.executors import (
+from branchgym.rollout.executors import (
     EnvRecipe,
     InProcessExecutor,
-    ProcessExecutor,
     ThreadExecutor,
     make_executor,
 )
-from branchgym.rollout import group_rollouts, grow_tree
+from branchgym.rollout.grow import group_rollouts, grow_tree
+from branchgym.rollout.process import ProcessExecutor
 
 # Workers (spawned processes, Ray actors) get this module's classes by value.
 cloudpickle.register_pickle_by_value(sys.modules[__name__])
@@ -217,7 +217,7 @@ def test_pool_cap_is_enforced():
 @pytest.mark.slow
 def test_ray_executor_with_a_crashing_actor():
     ray = pytest.importorskip("ray")
-    from branchgym.executors import RayExecutor
+    from branchgym.rollout.ray import RayExecutor
 
     ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])  # Ray's own cloudpickle
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)

@@ -148,7 +148,7 @@ def rollout_actions(
     """Choose and take up to ``n`` actions on ``env`` from ``info``; returns those taken.
 
     Stops early at episode end. Used by the checks here and the fidelity suite
-    (:mod:`branchgym.testing`) to pick a future on a model copy of the env.
+    (:mod:`branchgym.fidelity.suite`) to pick a future on a model copy of the env.
     """
     actions = []
     for _ in range(n):

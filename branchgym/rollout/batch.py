@@ -1,6 +1,6 @@
 """Batched rollouts: many trees (or groups) grown in lockstep, one policy call per turn.
 
-:func:`~branchgym.rollout.grow_tree` already batches inside a tree: siblings advance in
+:func:`~branchgym.rollout.grow.grow_tree` already batches inside a tree: siblings advance in
 lockstep and a branch point's K-1 siblings share one request. Across the prompts of a
 training step, though, trees grow one after another, so an LLM engine decodes one
 tree's few lines at a time. :func:`run_batched` runs several rollout jobs (each a
@@ -39,7 +39,7 @@ from typing import Any
 import numpy as np
 
 from branchgym.error import ExecutorError, OptionError
-from branchgym.executors import (
+from branchgym.rollout.executors import (
     EnvRecipe,
     Executor,
     InProcessExecutor,
@@ -47,9 +47,9 @@ from branchgym.executors import (
     SnapshotRef,
     make_executor,
 )
-from branchgym.policy import ActionSample, ActRequest, Policy
-from branchgym.rollout import group_rollouts, grow_tree
-from branchgym.tree import RolloutTree
+from branchgym.rollout.grow import group_rollouts, grow_tree
+from branchgym.rollout.policy import ActionSample, ActRequest, Policy
+from branchgym.rollout.tree import RolloutTree
 
 __all__ = ["run_batched", "grow_trees_batched", "group_rollouts_batched", "BatchStats"]
 
@@ -401,7 +401,7 @@ def _recipe(env: EnvRecipe | str | Any) -> EnvRecipe | str:
         return env
     raise OptionError(
         "batched rollouts need an EnvRecipe or a registered id, not an env instance (the "
-        "trees' sessions live side by side); pass branchgym.rollout.spec_of(env)."
+        "trees' sessions live side by side); pass branchgym.rollout.grow.spec_of(env)."
     )
 
 
@@ -417,7 +417,7 @@ def grow_trees_batched(
     stats: BatchStats | None = None,
     **kwargs: Any,
 ) -> list[RolloutTree]:
-    """:func:`~branchgym.rollout.grow_tree` for each seed, all trees in lockstep.
+    """:func:`~branchgym.rollout.grow.grow_tree` for each seed, all trees in lockstep.
 
     ``rngs[i]`` is tree i's ``rng`` (default: its seed); other keyword arguments go to
     every ``grow_tree`` call. Tree i equals ``grow_tree(env, policy, schedule,
@@ -446,7 +446,7 @@ def group_rollouts_batched(
     stats: BatchStats | None = None,
     **kwargs: Any,
 ) -> list[RolloutTree]:
-    """:func:`~branchgym.rollout.group_rollouts` (n rollouts) for each seed, in lockstep."""
+    """:func:`~branchgym.rollout.grow.group_rollouts` (n rollouts) for each seed, in lockstep."""
     env = _recipe(env)
     rngs = list(rngs) if rngs is not None else list(seeds)
     if len(rngs) != len(seeds):

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import dataclasses
 
-from branchgym.distributional import DistributionResult
-from branchgym.violation import Violation
+from branchgym.fidelity.distributional import DistributionResult
+from branchgym.fidelity.violation import Violation
 
 __all__ = [
     "FidelityReport",

@@ -8,15 +8,15 @@ import pytest
 
 from branchgym.envs.toy import TreeMDP
 from branchgym.error import FidelitySetupError
-from branchgym.scenarios import MUST_DETECT, SCENARIOS
-from branchgym.testing import (
+from branchgym.fidelity.suite import (
     check_snapshot_fidelity,
     fidelity_machine,
     fidelity_test,
     permutation_test,
     resolve_mode,
 )
-from tests.test_checker import AliasingTree
+from branchgym.scenarios import MUST_DETECT, SCENARIOS
+from tests.fidelity.test_checks import AliasingTree
 
 TEXT = "branchgym/TextTreeMDP-v0"
 TREE = "branchgym/TreeMDP-v0"
@@ -47,7 +47,7 @@ def test_failure_shrinks_to_a_short_pasteable_program():
     ]
     assert len(body) == len(patterns), report.program
     assert all(re.fullmatch(p, line) for p, line in zip(patterns, body, strict=True)), body
-    assert "from tests.test_checker import AliasingTree as make" in report.program
+    assert "from tests.fidelity.test_checks import AliasingTree as make" in report.program
     exec(compile(report.program, "<program>", "exec"), {})  # it runs as printed
     text = str(report)
     assert "likely cause" in text and "aliases" in text and "failed 3 of 3 replays" in text

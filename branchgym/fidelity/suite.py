@@ -34,11 +34,11 @@ Modes:
 Three entry points for sandbox authors: :func:`check_snapshot_fidelity` (returns a
 :class:`FidelityReport`), ``branchgym check module:attr`` (prints it, exit 1 on failure),
 and pytest: the ``snapshot_fidelity`` fixture and the ``branchgym_fidelity`` ini option of
-the plugin :mod:`branchgym.pytest_plugin`, or ``test_fidelity = fidelity_test(MyEnv)``.
+the plugin :mod:`branchgym.fidelity.pytest_plugin`, or ``test_fidelity = fidelity_test(MyEnv)``.
 
-The suite is split by concern: the state machine (:mod:`branchgym.state_machine`), the
-permutation test (:mod:`branchgym.permutation`), the distribution phase
-(:mod:`branchgym.distributional`) and the report (:mod:`branchgym.fidelity_report`);
+The suite is split by concern: the state machine (:mod:`branchgym.fidelity.machine`), the
+permutation test (:mod:`branchgym.fidelity.permutation`), the distribution phase
+(:mod:`branchgym.fidelity.distributional`) and the report (:mod:`branchgym.fidelity.report`);
 this module holds the entry points and re-exports their public names.
 """
 
@@ -52,13 +52,11 @@ from typing import Any
 import gymnasium as gym
 import numpy as np
 
-from branchgym.checker import as_factory
 from branchgym.core import declares_rng_excluded
-from branchgym.distributional import DistributionResult, distribution_phase
 from branchgym.error import FidelitySetupError
-from branchgym.fidelity_report import FidelityReport
-from branchgym.permutation import PermutationResult, permutation_test
-from branchgym.state_machine import (
+from branchgym.fidelity.checks import as_factory
+from branchgym.fidelity.distributional import DistributionResult, distribution_phase
+from branchgym.fidelity.machine import (
     Detected,
     EnvFactory,
     FidelityStats,
@@ -67,7 +65,9 @@ from branchgym.state_machine import (
     replay_program,
     shrink_program,
 )
-from branchgym.violation import Violation
+from branchgym.fidelity.permutation import PermutationResult, permutation_test
+from branchgym.fidelity.report import FidelityReport
+from branchgym.fidelity.violation import Violation
 
 __all__ = [
     "FidelityReport",
@@ -267,7 +267,7 @@ def fidelity_test(env_fn: EnvFactory | str, **kwargs: Any) -> Callable[[], None]
 
     One line in a sandbox's test module::
 
-        test_snapshot_fidelity = branchgym.testing.fidelity_test(MySandbox)
+        test_snapshot_fidelity = branchgym.fidelity.suite.fidelity_test(MySandbox)
 
     The test fails with the report (and its pasteable program) as the message.
     """

@@ -32,10 +32,10 @@ class Aliasing(TreeMDP):
 """
 
 TESTS = """
-import branchgym.testing
+import branchgym.fidelity.suite
 from sandbox import Aliasing, Good
 
-test_good = branchgym.testing.fidelity_test(Good, max_examples=10)
+test_good = branchgym.fidelity.suite.fidelity_test(Good, max_examples=10)
 
 
 def test_fixture(snapshot_fidelity):

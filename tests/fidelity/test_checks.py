@@ -4,8 +4,8 @@ import gymnasium as gym
 import pytest
 
 import branchgym
-from branchgym.checker import CHECKS, check_env
 from branchgym.envs.toy import TreeMDP
+from branchgym.fidelity.checks import CHECKS, check_env
 
 
 @pytest.mark.parametrize("spec", branchgym.branch_specs(), ids=lambda s: s.id)

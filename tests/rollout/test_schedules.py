@@ -10,8 +10,8 @@ import pytest
 from branchgym.agents.policy import TabularPolicy
 from branchgym.envs.toy.tree_mdp import TreeStructure
 from branchgym.error import ScheduleError
-from branchgym.rollout import grow_tree
-from branchgym.schedules import (
+from branchgym.rollout.grow import grow_tree
+from branchgym.rollout.schedules import (
     SCHEDULES,
     ForkPoint,
     fork_score_schedule,
@@ -24,7 +24,7 @@ from branchgym.schedules import (
     topk_entropy,
     window_disagreement,
 )
-from branchgym.tree import ROOT, RolloutTree
+from branchgym.rollout.tree import ROOT, RolloutTree
 
 
 def backbone(per_node_entropies, tokens=None):

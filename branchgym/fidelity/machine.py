@@ -1,7 +1,7 @@
 """The snapshot-fidelity state machine: live env vs a replayed model, one operation at a time.
 
 :func:`fidelity_machine` builds the Hypothesis ``RuleBasedStateMachine`` that
-:func:`branchgym.testing.check_snapshot_fidelity` runs: its rules reset, step, snapshot,
+:func:`branchgym.fidelity.suite.check_snapshot_fidelity` runs: its rules reset, step, snapshot,
 restore (live, fresh instance, pickle round trip) and release, each recorded as an
 operation of a :class:`_Program` so a failure replays (:func:`replay_program`) and
 shrinks (:func:`shrink_program`) to a short program a :class:`Detected` violation
@@ -24,11 +24,6 @@ from typing import Any
 import gymnasium as gym
 import numpy as np
 
-from branchgym.checker import (
-    run_actions,
-    strip_volatile,
-    volatile_keys,
-)
 from branchgym.compare import first_step_difference
 from branchgym.core import restore, snapshot, state_digest
 from branchgym.error import (
@@ -37,7 +32,12 @@ from branchgym.error import (
     SnapshotNotPicklableError,
     SnapshotReleasedError,
 )
-from branchgym.violation import Violation
+from branchgym.fidelity.checks import (
+    run_actions,
+    strip_volatile,
+    volatile_keys,
+)
+from branchgym.fidelity.violation import Violation
 
 __all__ = [
     "EnvFactory",
