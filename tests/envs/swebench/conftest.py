@@ -60,3 +60,20 @@ def docker_available():
     if os.environ.get("BRANCHGYM_REQUIRE_DOCKER") == "1":
         pytest.fail(f"CI expects Docker (BRANCHGYM_REQUIRE_DOCKER=1) but: {reason}")
     pytest.skip(reason)
+
+
+#: Every sandbox backend, Docker's marked (the escape and reward-hack suites run on each).
+EVERY_BACKEND = [
+    "overlay",
+    "git",
+    pytest.param("docker", marks=pytest.mark.docker),
+    pytest.param("docker-git", marks=pytest.mark.docker),
+]
+
+
+@pytest.fixture(scope="module", params=EVERY_BACKEND)
+def backend_name(request):
+    """A backend of :data:`EVERY_BACKEND`; Docker's only where Docker and its image are."""
+    if request.param.startswith("docker"):
+        request.getfixturevalue("docker_available")
+    return request.param

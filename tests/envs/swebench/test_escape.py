@@ -37,19 +37,9 @@ FORCE_PASS = (
 )
 
 
-@pytest.fixture(
-    scope="module",
-    params=[
-        "overlay",
-        "git",
-        pytest.param("docker", marks=pytest.mark.docker),
-        pytest.param("docker-git", marks=pytest.mark.docker),
-    ],
-)
-def env(request):
-    if request.param.startswith("docker"):
-        request.getfixturevalue("docker_available")
-    e = gym.make("branchgym/SWEBench-v0", backend=request.param, limits=LIMITS, command_timeout=20)
+@pytest.fixture(scope="module")
+def env(backend_name):
+    e = gym.make("branchgym/SWEBench-v0", backend=backend_name, limits=LIMITS, command_timeout=20)
     yield e
     e.close()
     wait_for_cleanup()

@@ -327,23 +327,13 @@ def task():
     return next(t for t in realistic_tasks() if t.instance_id == TASK)
 
 
-@pytest.fixture(
-    scope="module",
-    params=[
-        "overlay",
-        "git",
-        pytest.param("docker", marks=pytest.mark.docker),
-        pytest.param("docker-git", marks=pytest.mark.docker),
-    ],
-)
-def env(request):
-    if request.param.startswith("docker"):
-        request.getfixturevalue("docker_available")
+@pytest.fixture(scope="module")
+def env(backend_name):
     e = gym.make(
         "branchgym/SWEBench-v0",
         tasks="realistic",
         instance_ids=[TASK, *GOLD_SAMPLE],
-        backend=request.param,
+        backend=backend_name,
         grade_timeout=120,
     )
     yield e
