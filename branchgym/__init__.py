@@ -12,9 +12,7 @@ from branchgym.core import (
     LiveSnapshots,
     Snapshot,
     SnapshottableEnv,
-    declare_stateless,
     live_snapshots,
-    register_wrapper_state,
     reseed,
     restore,
     snapshot,
@@ -23,6 +21,7 @@ from branchgym.core import (
 from branchgym.envs import register_builtin_envs
 from branchgym.registration import BranchSpec, branch_spec, branch_specs, make, register
 from branchgym.serialization import register_snapshot_types
+from branchgym.wrapper_state import declare_stateless, register_wrapper_state
 
 __version__ = "0.1.0"
 

@@ -16,11 +16,13 @@ behaving exactly like ``s``. This module defines them for Gymnasium:
 * :class:`SnapshotAPI` is the outermost wrapper branchgym's registrations add, so that
   ``env.snapshot()`` works directly on what ``gym.make`` returns.
 
+What each wrapper holds (the wrapper-state declarations and Gymnasium's table) is
+:mod:`branchgym.wrapper_state`; the stack operations here read it.
+
 Why this module is over 600 lines: the snapshot handle, the env protocol, the identity
-checks and the wrapper-stack operations share :class:`Snapshot`/:class:`StackSnapshot`
-and the wrapper-state registry, and together are the protocol the rest builds on; kept
-together, its invariants (release, identity, layer order) read in one place. The
-sections are marked; the wrapper handlers are the first candidate to move out.
+checks and the wrapper-stack operations share :class:`Snapshot`/:class:`StackSnapshot`,
+and together are the protocol the rest builds on; kept together, its invariants
+(release, identity, layer order) read in one place. The sections are marked.
 """
 
 from __future__ import annotations
@@ -45,10 +47,16 @@ from branchgym.error import (
     SnapshotNotSupportedError,
     SnapshotReleasedError,
     SnapshotUntrustedError,
-    UnsnapshottableWrapperError,
-    WrapperStateError,
 )
 from branchgym.sizes import owned_sizeof
+from branchgym.wrapper_state import (
+    capture_wrapper_state,
+    class_path,
+    declare_stateless,
+    read_wrapper_state,
+    walk_wrappers,
+    wrapper_state_handler,
+)
 
 __all__ = [
     "Snapshot",
@@ -60,15 +68,9 @@ __all__ = [
     "restore",
     "state_digest",
     "reseed",
-    "register_wrapper_state",
-    "declare_stateless",
     "spec_identity",
     "stack_identity",
     "open_snapshot",
-    "wrapper_state_handler",
-    "walk_wrappers",
-    "capture_wrapper_state",
-    "read_wrapper_state",
     "declares_rng_excluded",
     "live_snapshots",
     "LiveSnapshots",
@@ -630,171 +632,6 @@ class SnapshottableEnv(gym.Env[ObsType, ActType], Generic[ObsType, ActType]):
         rng.bit_generator.state = copy.deepcopy(state)
 
 
-# -------------------------------------------------------------------- wrapper handlers
-
-
-def _apply_observation(wrapper: gym.Wrapper, obs: Any) -> Any:
-    return wrapper.observation(obs)  # type: ignore[attr-defined]
-
-
-@dataclasses.dataclass(frozen=True)
-class _WrapperState:
-    attrs: tuple[str, ...] = ()
-    volatile: tuple[str, ...] = ()
-    observe: Callable[[gym.Wrapper, Any], Any] | None = None
-
-
-_HANDLERS: dict[type, _WrapperState] = {}
-
-
-def register_wrapper_state(
-    cls: type[gym.Wrapper],
-    attrs: tuple[str, ...] = (),
-    *,
-    volatile: tuple[str, ...] = (),
-    observe: Callable[[gym.Wrapper, Any], Any] | None = None,
-) -> None:
-    """Teach branchgym how to capture the state of a wrapper class.
-
-    Args:
-        cls: The wrapper class (matched exactly, not subclasses: a subclass may add state).
-        attrs: Attribute names deep-copied into the snapshot and back on restore.
-        volatile: The subset of ``attrs`` left out of ``state_digest`` (wall-clock times).
-        observe: For observation wrappers, ``observe(wrapper, inner_obs) -> obs`` computes
-            the outer observation after restore. Default for an ``ObservationWrapper``:
-            ``wrapper.observation(inner_obs)``, right only if that call is pure once the
-            attributes are restored.
-    """
-    if observe is None and issubclass(cls, gym.ObservationWrapper):
-        observe = _apply_observation
-    _HANDLERS[cls] = _WrapperState(tuple(attrs), tuple(volatile), observe)
-
-
-def declare_stateless(*classes: type[gym.Wrapper]) -> None:
-    """Declare wrappers that hold no state affecting future behaviour."""
-    for cls in classes:
-        register_wrapper_state(cls, ())
-
-
-def wrapper_state_handler(wrapper: gym.Wrapper) -> _WrapperState:
-    """How branchgym captures ``wrapper``'s state: its ``attrs``, ``volatile`` and ``observe``.
-
-    Wrapper classes declare this with :func:`register_wrapper_state`,
-    :func:`declare_stateless` or a ``branchgym_state_attrs`` class attribute.
-
-    Raises:
-        UnsnapshottableWrapperError: the wrapper's class declared nothing.
-    """
-    cls = type(wrapper)
-    h = _HANDLERS.get(cls)
-    if h is not None:
-        return h
-    declared = cls.__dict__.get("branchgym_state_attrs")
-    if declared is not None:
-        register_wrapper_state(cls, tuple(declared))
-        return _HANDLERS[cls]
-    raise UnsnapshottableWrapperError(
-        f"wrapper {cls.__module__}.{cls.__qualname__} holds state branchgym does not know how "
-        "to snapshot. Declare it: give the class `branchgym_state_attrs = (...)` (attribute "
-        "names to copy; `()` if stateless), or call branchgym.register_wrapper_state("
-        f"{cls.__qualname__}, attrs=...) / branchgym.declare_stateless({cls.__qualname__})."
-    )
-
-
-def _path(cls: type) -> str:
-    return f"{cls.__module__}.{cls.__qualname__}"
-
-
-def _frame_stack_observe(wrapper: Any, obs: Any) -> Any:
-    from gymnasium.vector.utils import concatenate
-
-    return copy.deepcopy(
-        concatenate(wrapper.env.observation_space, wrapper.obs_queue, wrapper.stacked_obs)
-    )
-
-
-def _normalize_obs_observe(wrapper: Any, obs: Any) -> Any:
-    update = wrapper._update_running_mean
-    wrapper._update_running_mean = False
-    try:
-        return wrapper.observation(obs)
-    finally:
-        wrapper._update_running_mean = update
-
-
-def _register_gymnasium_wrappers() -> None:
-    w = gym.wrappers
-    register_wrapper_state(w.TimeLimit, ("_elapsed_steps",))
-    register_wrapper_state(w.OrderEnforcing, ("_has_reset",))
-    register_wrapper_state(
-        w.PassiveEnvChecker,
-        ("checked_reset", "checked_step", "checked_render", "checked_data_reuse", "_previous_data"),
-        volatile=(
-            "checked_reset",
-            "checked_step",
-            "checked_render",
-            "checked_data_reuse",
-            "_previous_data",
-        ),
-    )
-    register_wrapper_state(
-        w.RecordEpisodeStatistics,
-        (
-            "episode_count",
-            "episode_start_time",
-            "episode_returns",
-            "episode_lengths",
-            "time_queue",
-            "return_queue",
-            "length_queue",
-        ),
-        volatile=("episode_start_time", "time_queue"),
-    )
-    register_wrapper_state(w.Autoreset, ("autoreset",))
-    register_wrapper_state(
-        w.StickyAction, ("last_action", "is_sticky_actions", "num_repeats", "repeats_taken")
-    )
-    register_wrapper_state(w.TimeAwareObservation, ("timesteps",))
-    register_wrapper_state(
-        w.FrameStackObservation,
-        ("obs_queue", "stacked_obs", "padding_value"),
-        observe=_frame_stack_observe,
-    )
-    register_wrapper_state(
-        w.NormalizeObservation,
-        ("obs_rms", "_update_running_mean"),
-        observe=_normalize_obs_observe,
-    )
-    register_wrapper_state(
-        w.NormalizeReward, ("return_rms", "discounted_reward", "_update_running_mean")
-    )
-    register_wrapper_state(w.MaxAndSkipObservation, ("_obs_buffer",))
-    declare_stateless(
-        w.TransformObservation,
-        w.FilterObservation,
-        w.FlattenObservation,
-        w.GrayscaleObservation,
-        w.ResizeObservation,
-        w.ReshapeObservation,
-        w.RescaleObservation,
-        w.DtypeObservation,
-        w.TransformAction,
-        w.ClipAction,
-        w.RescaleAction,
-        w.TransformReward,
-        w.ClipReward,
-        w.RepeatAction,
-        w.HumanRendering,
-        w.AddWhiteNoise,
-        w.ObstructView,
-    )
-    for name in ("DiscretizeAction", "DiscretizeObservation"):
-        if hasattr(w, name):
-            declare_stateless(getattr(w, name))
-    # Deliberately unknown (snapshot() raises): RecordVideo and RenderCollection keep
-    # recorded frames; DelayObservation's current output is not recoverable from its queue.
-
-
 # ----------------------------------------------------------------- stack operations
 
 
@@ -828,7 +665,7 @@ def snapshot(env: gym.Env) -> Snapshot:
     """
     wrappers, owner = _walk(env)
     layers = tuple(
-        (_path(type(w)), capture_wrapper_state(w))
+        (class_path(type(w)), capture_wrapper_state(w))
         for w in wrappers
         if wrapper_state_handler(w).attrs
     )
@@ -836,17 +673,6 @@ def snapshot(env: gym.Env) -> Snapshot:
     if not wrappers:
         return inner
     return StackSnapshot(inner, layers)
-
-
-def walk_wrappers(env: gym.Env) -> list[gym.Wrapper]:
-    """Every wrapper from ``env`` down to the base env; unknown ones raise."""
-    out: list[gym.Wrapper] = []
-    e: Any = env
-    while isinstance(e, gym.Wrapper):
-        wrapper_state_handler(e)
-        out.append(e)
-        e = e.env
-    return out
 
 
 def declares_rng_excluded(env: gym.Env) -> bool:
@@ -863,42 +689,6 @@ def declares_rng_excluded(env: gym.Env) -> bool:
         if not isinstance(e, gym.Wrapper):
             return False
         e = e.env
-
-
-def read_wrapper_state(wrapper: gym.Wrapper, *, digest: bool = False) -> dict[str, Any]:
-    """The declared state attributes of one wrapper, by name (the live values, not copies).
-
-    Args:
-        wrapper: One layer of a stack.
-        digest: Leave out the attributes declared volatile (what ``state_digest`` hashes).
-
-    Raises:
-        UnsnapshottableWrapperError: the wrapper's class declared nothing.
-        WrapperStateError: the wrapper lacks a declared attribute (for Gymnasium's own
-            wrappers: a Gymnasium version whose private names differ from the table's).
-    """
-    h = wrapper_state_handler(wrapper)
-    out = {}
-    for name in h.attrs:
-        if digest and name in h.volatile:
-            continue
-        try:
-            out[name] = getattr(wrapper, name)
-        except AttributeError:
-            cls = type(wrapper)
-            raise WrapperStateError(
-                f"wrapper {_path(cls)} has no attribute {name!r}, which branchgym's state "
-                f"declaration for it names (declared: {', '.join(h.attrs)}; gymnasium "
-                f"{gym.__version__}). Use a gymnasium version pyproject allows, or declare "
-                f"this version's state: branchgym.register_wrapper_state({cls.__qualname__}, "
-                "attrs=(...)), or branchgym.declare_stateless(...) if it holds none."
-            ) from None
-    return out
-
-
-def capture_wrapper_state(wrapper: gym.Wrapper) -> dict[str, Any]:
-    """Deep copies of the declared state attributes of one wrapper, by name."""
-    return copy.deepcopy(read_wrapper_state(wrapper))
 
 
 def restore(env: gym.Env, snap: Snapshot) -> tuple[Any, dict[str, Any]]:
@@ -924,7 +714,7 @@ def restore(env: gym.Env, snap: Snapshot) -> tuple[Any, dict[str, Any]]:
     else:
         layers, inner = (), snap
     want = [p for p, _ in layers]
-    have = [_path(type(w)) for w in stateful]
+    have = [class_path(type(w)) for w in stateful]
     if want != have:
         raise SnapshotMismatchError(
             f"snapshot was taken over wrappers {want or '[]'} but this stack has {have or '[]'}; "
@@ -946,7 +736,7 @@ def state_digest(env: gym.Env) -> str:
     wrappers, owner = _walk(env)
     parts = []
     for w in wrappers:
-        parts.append((_path(type(w)), read_wrapper_state(w, digest=True)))
+        parts.append((class_path(type(w)), read_wrapper_state(w, digest=True)))
     return stable_hash(parts, owner.state_digest())
 
 
@@ -1056,5 +846,4 @@ class SnapshotAPI(gym.Wrapper[ObsType, ActType, ObsType, ActType], gym.utils.Rec
         return state_digest(self.env)
 
 
-_register_gymnasium_wrappers()
 declare_stateless(SnapshotAPI)

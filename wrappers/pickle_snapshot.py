@@ -17,14 +17,10 @@ from typing import Any
 import gymnasium as gym
 
 from branchgym import serialization
-from branchgym.core import (
-    Snapshot,
-    SnapshotWrapper,
-    read_wrapper_state,
-    walk_wrappers,
-)
+from branchgym.core import Snapshot, SnapshotWrapper
 from branchgym.digest import stable_hash
 from branchgym.error import ResetNeededError, SnapshotCorruptError, SnapshotUntrustedError
+from branchgym.wrapper_state import read_wrapper_state, walk_wrappers
 
 __all__ = ["PickleSnapshot"]
 

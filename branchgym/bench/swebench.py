@@ -123,7 +123,8 @@ def _measure(sb: Any, n: int, repeats: int) -> dict[str, Any]:
 
 def _backends(quick: bool) -> list[tuple[str, str, Callable[[], Any] | None, str]]:
     """(name, family, factory or None, why unavailable)."""
-    from branchgym.envs.swebench.local import LocalBackend, overlay_support
+    from branchgym.envs.swebench.local import LocalBackend
+    from branchgym.envs.swebench.mounts import overlay_support
 
     out: list[tuple[str, str, Callable[[], Any] | None, str]] = []
     ok, why = overlay_support()
@@ -236,7 +237,7 @@ def _section_tasks(report: Report, args: argparse.Namespace, repeats: int) -> No
     import gymnasium as gym
 
     import branchgym  # noqa: F401  (registers the env)
-    from branchgym.envs.swebench.local import overlay_support
+    from branchgym.envs.swebench.mounts import overlay_support
 
     rows = []
     backends = ["overlay"] if overlay_support()[0] else []

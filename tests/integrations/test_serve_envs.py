@@ -34,7 +34,7 @@ CASES = {
 def test_check_env_and_fidelity_pass_on_a_served_env(case):
     env_id, kwargs, max_examples, steps = CASES[case]
     if case.startswith("swebench"):
-        from branchgym.envs.swebench.local import overlay_support
+        from branchgym.envs.swebench.mounts import overlay_support
 
         ok, why = overlay_support()
         if not ok:

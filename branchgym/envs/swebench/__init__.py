@@ -6,7 +6,11 @@
 * :mod:`~branchgym.envs.swebench.harness`: the ``swebench`` package's specs, eval scripts and
   log grading, wrapped;
 * :mod:`~branchgym.envs.swebench.sandbox`: the ``Sandbox`` interface; backends in
-  :mod:`~branchgym.envs.swebench.local` (overlayfs / git trees, under bubblewrap) and
+  :mod:`~branchgym.envs.swebench.local` (overlayfs / git trees, under bubblewrap: its
+  sandboxes in :mod:`~branchgym.envs.swebench.overlay` and
+  :mod:`~branchgym.envs.swebench.git_sandbox`, the bubblewrap runner in
+  :mod:`~branchgym.envs.swebench.runner`, mounts in :mod:`~branchgym.envs.swebench.mounts`,
+  the layer store in :mod:`~branchgym.envs.swebench.layers`) and
   :mod:`~branchgym.envs.swebench.docker_backend` (containers, ``docker`` extra);
 * :mod:`~branchgym.envs.swebench.env`: ``branchgym/SWEBench-v0``.
 """

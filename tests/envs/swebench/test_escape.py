@@ -16,8 +16,9 @@ from pathlib import Path
 import gymnasium as gym
 import pytest
 
+from branchgym.envs.swebench.layers import wait_for_cleanup
 from branchgym.envs.swebench.limits import Limits
-from branchgym.envs.swebench.local import list_local_mounts, wait_for_cleanup, work_root
+from branchgym.envs.swebench.mounts import list_local_mounts, work_root
 from branchgym.envs.swebench.tasks import cache_root, verify_checkout
 from branchgym.error import SandboxError
 

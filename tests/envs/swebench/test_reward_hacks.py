@@ -20,7 +20,7 @@ import gymnasium as gym
 import pytest
 
 from branchgym.envs.swebench.generated import realistic_tasks
-from branchgym.envs.swebench.local import wait_for_cleanup
+from branchgym.envs.swebench.layers import wait_for_cleanup
 
 pytestmark = pytest.mark.slow
 

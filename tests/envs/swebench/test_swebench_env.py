@@ -9,7 +9,8 @@ import pytest
 import branchgym
 from branchgym.cli import play
 from branchgym.envs.swebench.env import PROBE_ACTIONS
-from branchgym.envs.swebench.local import list_local_mounts, wait_for_cleanup
+from branchgym.envs.swebench.layers import wait_for_cleanup
+from branchgym.envs.swebench.mounts import list_local_mounts
 from branchgym.error import (
     DataError,
     ResetNeededError,

@@ -12,7 +12,8 @@ import pytest
 
 import branchgym
 from branchgym.agents.policy import TextPolicy
-from branchgym.envs.swebench.local import list_local_mounts, wait_for_cleanup, work_root
+from branchgym.envs.swebench.layers import wait_for_cleanup
+from branchgym.envs.swebench.mounts import list_local_mounts, work_root
 from branchgym.error import SandboxError
 from branchgym.rollout.executors import (
     EnvRecipe,

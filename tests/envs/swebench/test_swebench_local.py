@@ -8,12 +8,10 @@ import sys
 
 import pytest
 
-from branchgym.envs.swebench.local import (
-    LocalBackend,
-    OverlaySandbox,
-    list_local_mounts,
-    wait_for_cleanup,
-)
+from branchgym.envs.swebench.layers import wait_for_cleanup
+from branchgym.envs.swebench.local import LocalBackend
+from branchgym.envs.swebench.mounts import list_local_mounts
+from branchgym.envs.swebench.overlay import OverlaySandbox
 from branchgym.error import SandboxError, SnapshotReleasedError
 
 MUTATE = (
@@ -172,7 +170,8 @@ def test_overlay_layers_are_shared_refcounted_and_squashed(task_by_name, checkou
 def test_overlay_detection_falls_back_to_git_without_mount_rights(tmp_path):
     # Without capabilities (--cap-drop ALL), mount() fails for real.
     code = (
-        "import json; from branchgym.envs.swebench.local import LocalBackend, overlay_support\n"
+        "import json; from branchgym.envs.swebench.local import LocalBackend\n"
+        "from branchgym.envs.swebench.mounts import overlay_support\n"
         "ok, why = overlay_support()\n"
         "b = LocalBackend('auto', isolation='none')\n"
         "print(json.dumps([ok, why, b.mode]))\n"
