@@ -10,11 +10,11 @@ Per prompt, one gradient step:
    out to termination; the backbone's own action is sibling ``k = 1``, so a prompt costs
    ``N = 1 + M(K-1)`` rollouts;
 4. local sibling advantage, eq. (4): each sibling's return-to-go minus the mean of the
-   other K-1 (:func:`~branchgym.agents.losses.sibling_advantages`);
+   other K-1 (:func:`~branchgym.agents.advantages.sibling_advantages`);
 5. propagate along each node's owning path, eq. (5): ``A(t') = sum_{b >= t'}
    lambda^(b - t') A_local(b, k_b)``, with steps after the last branch point getting its
    advantage (``tail="last"``) or zero (``tail="zero"``)
-   (:func:`~branchgym.agents.losses.propagate_advantages`); steps 4-5 are the ``bpo``
+   (:func:`~branchgym.agents.advantages.propagate_advantages`); steps 4-5 are the ``bpo``
    entry of :data:`branchgym.agents.advantages.ADVANTAGES`, and ``credit`` picks the
    variants' entries (``root``, ``value_diff``) instead;
 6. PPO-clip over every (s, a) pair of the tree, each shared-prefix pair counted once (its
@@ -240,7 +240,7 @@ class Args(TrainArgs):
         require_one_of("schedule", self.schedule, SCHEDULE_OPTIONS)
         require_one_of("entropy_reduce", self.entropy_reduce, ENTROPY_REDUCTIONS)
         require_one_of("gap_unit", self.gap_unit, ("auto", "tokens", "steps"))
-        require_one_of("tail", self.tail, losses.TAILS)
+        require_one_of("tail", self.tail, advantages.TAILS)
         require_one_of("aggregation", self.aggregation, losses.AGGREGATIONS)
         require_one_of("kl_estimator", self.kl_estimator, losses.KL_ESTIMATORS)
         require_one_of("keep", self.keep, KEEP_MODES)

@@ -141,8 +141,8 @@ def test_bpo_loss_on_a_hand_built_tree_matches_eqs_4_5_6():
     adv, n_bp, n_deg = advantages.tree_advantages(tree, args.lam, args.tail)
     assert n_bp == 2 and n_deg == 0
     # eq. 4 at each branch point, by the losses module
-    a1 = losses.sibling_advantages(torch.tensor([1.0, 0.0, 1.0, 0.0], dtype=torch.float64))
-    a2 = losses.sibling_advantages(torch.tensor([1.0, 0.0, 0.0], dtype=torch.float64))
+    a1 = advantages.sibling_advantages(torch.tensor([1.0, 0.0, 1.0, 0.0], dtype=torch.float64))
+    a2 = advantages.sibling_advantages(torch.tensor([1.0, 0.0, 0.0], dtype=torch.float64))
     # eq. 5 along each owning path: (nodes, branch steps, local advantages of the path)
     paths = {
         2: ([0, 1, 2], [1, 2], [a1[0], a2[0]]),
@@ -155,7 +155,7 @@ def test_bpo_loss_on_a_hand_built_tree_matches_eqs_4_5_6():
     owned = {2: [0, 1, 2], 9: [9], 10: [10], 4: [3, 4], 6: [5, 6], 8: [7, 8]}
     expected = {}
     for leaf, (nodes, steps, local) in paths.items():
-        along = losses.propagate_advantages(len(nodes), steps, local, args.lam, args.tail)
+        along = advantages.propagate_advantages(len(nodes), steps, local, args.lam, args.tail)
         for nid in owned[leaf]:
             expected[nid] = float(along[nodes.index(nid)])
     assert adv == pytest.approx(expected)
@@ -186,7 +186,7 @@ def test_bpo_without_branches_falls_back_to_rloo_over_backbones():
     per_tree, skipped, _ = advantages.per_prompt(
         "rloo", trees, range(len(trees)), advantages.AdvantageOptions()
     )
-    want, degenerate = losses.rloo_advantages(torch.tensor([[1.0, 0.0, 0.0], [0.0, 0.0, 0.0]]))
+    want, degenerate = advantages.rloo_advantages(torch.tensor([[1.0, 0.0, 0.0], [0.0, 0.0, 0.0]]))
     assert skipped == int(degenerate.sum()) == 1
     leaf_adv = [[per_tree[i][leaf] for leaf in t.leaves()] for i, t in enumerate(trees)]
     np.testing.assert_allclose(leaf_adv, want.numpy())
