@@ -311,7 +311,8 @@ def test_per_prompt_calls_the_estimator_on_each_prompts_trees():
     ]  # fmt: skip
     options = advantages.AdvantageOptions(m=1, k=2, schedule="depths", branch_depths=(1,))
     per_tree, _, n_bp = advantages.per_prompt("root", trees, [0, 0, 1, 1], options)
-    want = advantages.root(trees[:2], options).nodes + advantages.root(trees[2:], options).nodes
+    root = advantages.advantage("root")
+    want = root(trees[:2], options).nodes + root(trees[2:], options).nodes
     assert per_tree == want
     assert n_bp == sum(len(t.branch_points()) for t in trees)
 
