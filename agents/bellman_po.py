@@ -23,10 +23,9 @@ import dataclasses
 import functools
 from collections.abc import Callable
 
-import numpy as np
 import torch
 
-from branchgym.agents import losses
+from branchgym.agents import advantages, losses
 from branchgym.agents.run import (
     Batch,
     Chunk,
@@ -122,6 +121,7 @@ def _sequence_weight(degenerate: dict[int, bool]) -> Callable[[Batch, list[int]]
 def main(args: Args, algo: str = "bellman_po") -> TrainResult:
     """Train with Bellman PO."""
     run = Run(args, algo, needs_ref=False)  # no KL penalty: no reference model
+    options = advantages.AdvantageOptions.of(args)
     for _ in run.loop():
         # 1. G rollouts per prompt from mu
         trees = run.rollouts(
@@ -139,22 +139,21 @@ def main(args: Args, algo: str = "bellman_po") -> TrainResult:
         )
         batch = Batch(trees, success_threshold=args.success_threshold)
         # 2. the advantages (the loss recomputes them from the rewards; here for logging)
-        rewards = torch.tensor(np.stack([t.returns() for t in trees]))
-        valid = torch.tensor(np.stack([t.valid_paths() for t in trees]))  # sandbox errors out
-        adv, degenerate = losses.grpo_advantages(rewards, mask=valid)
-        skipped = {g: bool(degenerate[g]) for g in range(len(trees))}
+        adv, skipped = [], {}
+        for g, t in enumerate(trees):  # sandbox errors are left out of the statistics
+            out = advantages.advantage("grpo")([t], options)
+            adv.append(out.nodes[0])
+            skipped[g] = bool(out.degenerate)
 
         # 3. the omega-weighted loss over G rows per group, several updates
         update = functools.partial(loss, args)
         # the loss reads whole groups: token-budget micro-batches cut between groups
         run.log(run.updates(batch, update, weight=_sequence_weight(skipped), whole_groups=True))
         run.log(rollout_metrics(batch))
-        leaf_rank = [{leaf: j for j, leaf in enumerate(t.leaves())} for t in trees]
         run.log(
             advantage_metrics(
-                [float(adv[r.tree, leaf_rank[r.tree][r.leaf]]) for r in batch.rows],
-                [r.group for r in batch.rows],
+                [adv[r.tree][r.leaf] for r in batch.rows], [r.group for r in batch.rows]
             )
         )
-        run.log({"groups/skipped": int(degenerate.sum()), "groups/total": len(trees)})
+        run.log({"groups/skipped": sum(skipped.values()), "groups/total": len(trees)})
     return run.close()

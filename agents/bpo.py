@@ -10,16 +10,19 @@ Per prompt, one gradient step:
    out to termination; the backbone's own action is sibling ``k = 1``, so a prompt costs
    ``N = 1 + M(K-1)`` rollouts;
 4. local sibling advantage, eq. (4): each sibling's return-to-go minus the mean of the
-   other K-1 (:func:`~branchgym.agents.losses.sibling_advantages`);
+   other K-1 (:func:`~branchgym.agents.advantages.sibling_advantages`);
 5. propagate along each node's owning path, eq. (5): ``A(t') = sum_{b >= t'}
    lambda^(b - t') A_local(b, k_b)``, with steps after the last branch point getting its
    advantage (``tail="last"``) or zero (``tail="zero"``)
-   (:func:`~branchgym.agents.losses.propagate_advantages`);
+   (:func:`~branchgym.agents.advantages.propagate_advantages`); steps 4-5 are the ``bpo``
+   entry of :data:`branchgym.agents.advantages.ADVANTAGES`, and ``credit`` picks the
+   variants' entries (``root``, ``value_diff``) instead;
 6. PPO-clip over every (s, a) pair of the tree, each shared-prefix pair counted once (its
    owning path's row), plus ``beta * KL(pi_theta || pi_ref)``, eq. (6).
 
 With ``M = 0`` or ``K = 1`` there are no siblings: the learner falls back to the RLOO
-group baseline over independent backbones, the source's K = 1 ablation row.
+group baseline over independent backbones (the registry's ``rloo``), the source's K = 1
+ablation row.
 """
 
 from __future__ import annotations
@@ -31,7 +34,7 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
-from branchgym.agents import losses
+from branchgym.agents import advantages, losses
 from branchgym.agents.run import (
     WEIGHTS,
     Batch,
@@ -49,8 +52,6 @@ from branchgym.rollout.schedules import ForkPoint
 from branchgym.rollout.tree import ENTROPY_REDUCTIONS, RolloutTree
 
 __all__ = [
-    "CREDITS",
-    "DEPTH_COUNTS",
     "FIXED_HORIZON_ONLY",
     "SCHEDULE_OPTIONS",
     "Args",
@@ -58,9 +59,7 @@ __all__ = [
     "last_schedule",
     "loss",
     "main",
-    "prompt_advantages",
     "root_even_schedule",
-    "tree_advantages",
 ]
 
 #: Branch schedules of step 3 and which of the Args options each takes.
@@ -79,9 +78,6 @@ SCHEDULE_OPTIONS: dict[str, tuple[str, ...]] = {
 #: ``depths`` on any env; the others read the backbone's length, which is fixed only
 #: when every episode has the same length.
 FIXED_HORIZON_ONLY = ("even", "random", "last", "root_even")
-
-#: Credit of backbone decisions (docs/estimators.md): eq. 5, or the unbiased variants.
-CREDITS = ("lambda", "root", "value_diff")
 
 
 def last_schedule(
@@ -140,9 +136,6 @@ LOCAL_SCHEDULES = {
     "root_even": root_even_schedule,
     "depths": depths_schedule,
 }
-
-#: ``depth_count`` values: what n_t of ``depth_weight`` counts.
-DEPTH_COUNTS = ("backbone", "realised")
 
 
 @dataclasses.dataclass
@@ -247,14 +240,14 @@ class Args(TrainArgs):
         require_one_of("schedule", self.schedule, SCHEDULE_OPTIONS)
         require_one_of("entropy_reduce", self.entropy_reduce, ENTROPY_REDUCTIONS)
         require_one_of("gap_unit", self.gap_unit, ("auto", "tokens", "steps"))
-        require_one_of("tail", self.tail, losses.TAILS)
+        require_one_of("tail", self.tail, advantages.TAILS)
         require_one_of("aggregation", self.aggregation, losses.AGGREGATIONS)
         require_one_of("kl_estimator", self.kl_estimator, losses.KL_ESTIMATORS)
         require_one_of("keep", self.keep, KEEP_MODES)
         require_one_of("env_noise", self.env_noise, ("fresh", "shared"))
-        require_one_of("credit", self.credit, CREDITS)
+        require_one_of("credit", self.credit, advantages.CREDITS)
         require_one_of("backbone_credit", self.backbone_credit, ("include", "exclude"))
-        require_one_of("depth_count", self.depth_count, DEPTH_COUNTS)
+        require_one_of("depth_count", self.depth_count, advantages.DEPTH_COUNTS)
         require(
             self.schedule != "depths"
             or (len(self.branch_depths) == self.m and len(set(self.branch_depths)) == self.m),
@@ -288,152 +281,6 @@ class Args(TrainArgs):
         )
 
 
-def tree_advantages(
-    tree: RolloutTree, lam: float = 0.95, tail: str = "last"
-) -> tuple[dict[int, float], int, int]:
-    """Eq. (4) at every branch point, then eq. (5) along every path: node -> advantage.
-
-    Each node takes the advantage computed on its owning path (the path through its own
-    continuation), so a shared prefix gets the discounted sum of every downstream
-    comparison on that path once.
-
-    Returns:
-        ``(advantage by node id, branch points, degenerate branch points)``; nodes of a
-        tree without branch points get 0.
-    """
-    bps = tree.branch_points()
-    local: list[torch.Tensor] = []
-    degenerate = 0
-    for bp in bps:
-        returns = torch.tensor(bp.returns, dtype=torch.float64)
-        valid = torch.tensor([tree.line_valid(s) for s in bp.siblings])  # errors left out
-        a = losses.sibling_advantages(returns, mask=valid)
-        degenerate += int(bool((a == 0).all()))
-        local.append(a)
-    index = {(b.parent, b.step): i for i, b in enumerate(bps)}
-    out: dict[int, float] = {}
-    for leaf, owned in tree.owned_nodes().items():
-        nodes = tree.path_to(leaf)
-        steps, values = [], []
-        for pos, nid in enumerate(nodes):
-            k = tree.sibling_index(nid)
-            if k:
-                steps.append(pos)
-                values.append(float(local[index[(tree[nid].parent, pos)]][k - 1]))
-        along = losses.propagate_advantages(len(nodes), steps, values, lam, tail)
-        for nid in owned:
-            out[nid] = float(along[tree[nid].step])
-    return out, len(bps), degenerate
-
-
-def _root_loo(values: list[float], valid: list[bool]) -> list[float]:
-    """Leave-one-out advantages among a prompt's backbones (0 for invalid ones)."""
-    adv, _ = losses.rloo_advantages(
-        torch.tensor([values], dtype=torch.float64), mask=torch.tensor([valid])
-    )
-    return [float(x) for x in adv[0]]
-
-
-def prompt_advantages(trees: Sequence[RolloutTree], args: Args) -> list[dict[int, float]]:
-    """The variants' advantages (docs/estimators.md) for one prompt's G trees: node -> A.
-
-    Fresh siblings' lines get their eq. (4) local advantage (tail ``last``). Backbone
-    decisions get ``args.credit``'s credit (``lambda``: eq. 5 through
-    :func:`tree_advantages`), 0 with ``backbone_credit="exclude"``; ``depth_weight``
-    rescales each decision by ``N / n_t`` (``depth_count`` says what n_t counts).
-    """
-    per_tree: list[dict[int, float]] = []
-    prefix: list[tuple[float, bool]] = []  # per backbone: (prefix value, valid)
-    pending: list[list[int]] = []  # per tree: backbone nodes above the first branch point
-    for tree in trees:
-        out, _, _ = tree_advantages(tree, args.lam, args.tail)
-        backbone = tree.backbone
-        bps = sorted(
-            (b for b in tree.branch_points() if b.siblings[0] in backbone), key=lambda b: b.step
-        )
-        pending.append([])
-        if args.credit != "lambda":
-            rows = []
-            for b in bps:
-                ret = np.asarray(b.returns, dtype=np.float64)
-                ok = np.array([tree.line_valid(x) for x in b.siblings])
-                fresh = ok.copy()
-                fresh[0] = False
-                vhat = float(ret[ok].mean()) if ok.any() else 0.0
-                base = float(ret[fresh].mean()) if fresh.any() else 0.0
-                rows.append((b.step, float(ret[0]), vhat, base, bool(ok[0])))
-            for pos, nid in enumerate(backbone):
-                idx = max((i for i, r in enumerate(rows) if r[0] <= pos), default=-1)
-                if idx < 0:
-                    pending[-1].append(nid)
-                    continue
-                step, g_here, _, base, _ = rows[idx]
-                if args.credit == "root" or idx == len(rows) - 1:
-                    out[nid] = g_here - base
-                else:  # value_diff: rewards to the next point + its sibling mean - baseline
-                    g_next, v_next = rows[idx + 1][1], rows[idx + 1][2]
-                    out[nid] = g_here - g_next + v_next - base
-            g0 = float(tree.path_returns_to_go(backbone)[0]) if backbone else 0.0
-            if rows:
-                first = rows[0]
-                value = g0 if args.credit == "root" else g0 - first[1] + first[2]
-                prefix.append((value, first[4]))
-            else:  # the line ended before its first planned point: its return is the value
-                prefix.append((g0, bool(backbone) and tree.line_valid(backbone[0])))
-        else:
-            prefix.append((0.0, False))
-        if args.backbone_credit == "exclude":
-            for nid in backbone:
-                out[nid] = 0.0
-        per_tree.append(out)
-    if any(pending):
-        if len(trees) >= 2:
-            loo = _root_loo([p[0] for p in prefix], [p[1] for p in prefix])
-        else:  # root_even with G = 1: the first point is the root, no prefix
-            loo = [p[0] for p in prefix]
-        for ti, nodes in enumerate(pending):
-            for nid in nodes:
-                per_tree[ti][nid] = 0.0 if args.backbone_credit == "exclude" else loo[ti]
-    if args.depth_weight and args.depth_count == "realised":
-        count: dict[int, int] = {}
-        for tree in trees:
-            for n in tree.nodes:
-                count[n.step] = count.get(n.step, 0) + 1
-        n_leaves = sum(len(t.leaves()) for t in trees)
-        for tree, out in zip(trees, per_tree, strict=True):
-            for nid in out:
-                out[nid] *= n_leaves / count[tree[nid].step]
-    elif args.depth_weight:  # backbone: n_t = G x lines planned in this tree at t
-        g = len(trees)
-        planned = g * (1 + args.m * (args.k - 1))
-        for tree, out in zip(trees, per_tree, strict=True):
-            if args.schedule == "depths":  # planned: reached or not (a line that ended
-                steps = sorted(args.branch_depths)  # adds no pairs; its count still does)
-            else:  # the backbone's own points (all exist on fixed-length episodes)
-                steps = sorted(
-                    b.step for b in tree.branch_points() if b.siblings[0] in tree.backbone
-                )
-            for nid in out:
-                above = sum(1 for b in steps if b <= tree[nid].step)
-                out[nid] *= planned / (g * (1 + (args.k - 1) * above))
-    return per_tree
-
-
-def _fallback_advantages(trees: Sequence[RolloutTree]) -> tuple[list[dict[int, float]], int]:
-    """RLOO over the independent backbones of each prompt (K = 1 ablation)."""
-    returns = torch.tensor(np.stack([t.returns() for t in trees]))
-    valid = torch.tensor(np.stack([t.valid_paths() for t in trees]))
-    adv, degenerate = losses.rloo_advantages(returns, mask=valid)  # failed rollouts left out
-    out = []
-    for ti, t in enumerate(trees):
-        by_node = {}
-        for j, leaf in enumerate(t.leaves()):
-            for nid in t.path_to(leaf):
-                by_node[nid] = float(adv[ti, j])
-        out.append(by_node)
-    return out, int(degenerate.sum())
-
-
 def loss(args: Args, c: Chunk) -> tuple[torch.Tensor, dict[str, float]]:
     """Eq. (6): PPO-clip over the counted tokens with their eq. (5) advantages + beta KL."""
     out = losses.ppo_clip_loss(
@@ -463,8 +310,7 @@ def main(args: Args, algo: str = "bpo") -> TrainResult:
     }
     schedule_options = {k: given[k] for k in SCHEDULE_OPTIONS[args.schedule]}
     schedule = LOCAL_SCHEDULES.get(args.schedule, args.schedule)
-    spec = (args.credit, args.backbone_credit, args.backbones, args.depth_weight)
-    variant = spec != ("lambda", "include", 1, False)
+    options = advantages.AdvantageOptions.of(args)
     for _ in run.loop():
         seeds = run.prompt_seeds()
         if args.branching:
@@ -490,19 +336,12 @@ def main(args: Args, algo: str = "bpo") -> TrainResult:
                     for j in range(args.backbones)
                 ]
             )
-            # steps 4-5: eq. 4 at each branch point, eq. 5 along each owning path
-            per_tree, n_bp, n_degenerate = [], 0, 0
-            for t in trees:
-                adv, bp, deg = tree_advantages(t, args.lam, args.tail)
-                per_tree.append(adv)
-                n_bp, n_degenerate = n_bp + bp, n_degenerate + deg
-            if variant:  # docs/estimators.md: unbiased credit, per prompt's G trees
-                g = args.backbones
-                per_tree = [
-                    a
-                    for i in range(len(seeds))
-                    for a in prompt_advantages(trees[i * g : (i + 1) * g], args)
-                ]
+            # steps 4-5: eq. 4 at each branch point, eq. 5 along each owning path (or a
+            # credit variant of docs/estimators.md), per prompt's G trees
+            groups = [i for i in range(len(seeds)) for _ in range(args.backbones)]
+            per_tree, n_degenerate, _ = advantages.per_prompt(
+                advantages.CREDITS[args.credit], trees, groups, options
+            )
             skipped = sum(all(v == 0 for v in a.values()) for a in per_tree)
         else:
             # K = 1 ablation: independent backbones with the RLOO group baseline
@@ -519,8 +358,8 @@ def main(args: Args, algo: str = "bpo") -> TrainResult:
                     for i, s in enumerate(seeds)
                 ]
             )
-            per_tree, skipped = _fallback_advantages(trees)
-            n_bp = n_degenerate = 0
+            per_tree, skipped, _ = advantages.per_prompt("rloo", trees, range(len(trees)), options)
+            n_degenerate = 0
         batch = Batch(trees, success_threshold=args.success_threshold)
         batch.set_advantages(lambda row, d, adv=per_tree: adv[row.tree][d.node])
         if run.ref is not None:

@@ -2,7 +2,7 @@
 
 A learner's training step is rollouts -> advantages -> loss -> gradient -> optimizer
 step. :func:`probe_learner` runs the learner's own ``main`` (its rollouts, its
-advantages: ``tree_advantages``/eq. 4-5 for ``bpo``, ``group_advantages`` for GRPO/RLOO,
+advantages: the entries of :data:`branchgym.agents.advantages.ADVANTAGES` it picks,
 its fallbacks and masks, its aggregation) with a :class:`ProbeRun` in place of
 :class:`~branchgym.agents.run.Run`: instead of an optimizer update, each batch's
 **surrogate policy gradient** is computed and handed to a callback, and the weights

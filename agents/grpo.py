@@ -4,7 +4,8 @@ The baselines every Branching PO comparison needs. Per prompt (task instance), o
 
 1. sample N independent trajectories from ``pi_old`` (``group_rollouts``: the reset
    state is the root of a tree with N children, the same engine as Branching PO's);
-2. advantages from the N returns, picked from :data:`ADVANTAGES`:
+2. advantages from the N returns, an entry of
+   :data:`branchgym.agents.advantages.ADVANTAGES`:
    ``grpo``: ``(R_i - mean) / (std + eps)`` (Shao et al., 2024, DeepSeekMath eq. 3), or
    ``rloo``: ``R_i - mean_{j != i} R_j`` (Ahmadian et al., 2024), unnormalised;
    groups whose returns are all equal carry no signal and are counted as skipped;
@@ -19,12 +20,10 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from collections.abc import Sequence
 
-import numpy as np
 import torch
 
-from branchgym.agents import losses
+from branchgym.agents import advantages, losses
 from branchgym.agents.run import (
     WEIGHTS,
     Batch,
@@ -39,15 +38,8 @@ from branchgym.agents.run import (
     rollout_metrics,
 )
 from branchgym.rollout.grow import group_rollouts
-from branchgym.rollout.tree import RolloutTree
 
-__all__ = ["ADVANTAGES", "Args", "group_advantages", "loss", "main"]
-
-#: advantage estimator name -> ``rewards (P, N) -> GroupAdvantages``.
-ADVANTAGES = {
-    "grpo": losses.grpo_advantages,
-    "rloo": losses.rloo_advantages,
-}
+__all__ = ["Args", "loss", "main"]
 
 
 @dataclasses.dataclass
@@ -56,7 +48,7 @@ class Args(TrainArgs):
 
     advantage: str = "grpo"
     """``grpo`` (group-normalised, Shao et al. 2024) or ``rloo`` (leave-one-out, Ahmadian et
-    al. 2024), a key of :data:`ADVANTAGES` (algorithms.md §4)."""
+    al. 2024), an entry of :data:`branchgym.agents.advantages.ADVANTAGES` (algorithms.md §4)."""
     n: int | None = None
     """Rollouts per prompt N; default ``1 + m * (k - 1)`` (matched compute with Branching PO)."""
     m: int = 2
@@ -83,7 +75,7 @@ class Args(TrainArgs):
     def check(self) -> None:
         """Ranges of the GRPO/RLOO options."""
         super().check()
-        require_one_of("advantage", self.advantage, ADVANTAGES)
+        require_one_of("advantage", self.advantage, advantages.GROUP_ESTIMATORS)
         require_one_of("aggregation", self.aggregation, losses.AGGREGATIONS)
         require_one_of("kl_estimator", self.kl_estimator, losses.KL_ESTIMATORS)
         require(self.m >= 0 and self.k >= 1, f"need m >= 0 and k >= 1; got {self.m}, {self.k}.")
@@ -111,21 +103,11 @@ def loss(args: Args, c: Chunk) -> tuple[torch.Tensor, dict[str, float]]:
     return out.loss, {**out.metrics(), **ratio_spread(c)}
 
 
-def group_advantages(args: Args, trees: Sequence[RolloutTree]) -> losses.GroupAdvantages:
-    """GRPO/RLOO advantages of each prompt's N rollouts, ``(P, N)`` in leaf order.
-
-    A rollout whose sandbox failed (crash, timeout, not run: ``RolloutTree.valid_paths``)
-    is left out of its group's statistics and gets advantage 0.
-    """
-    returns = np.stack([t.returns() for t in trees])
-    valid = np.stack([t.valid_paths() for t in trees])
-    return ADVANTAGES[args.advantage](torch.as_tensor(returns), mask=torch.as_tensor(valid))
-
-
 def main(args: Args, algo: str | None = None) -> TrainResult:
     """Train with GRPO (or RLOO: ``args.advantage = "rloo"``)."""
     algo = algo or args.advantage
     run = Run(args, algo, needs_ref=args.beta > 0)
+    options = advantages.AdvantageOptions.of(args)
     for _ in run.loop():
         # 1. N independent rollouts per prompt
         # (all prompts' groups in lockstep: one batched policy call per turn)
@@ -144,11 +126,11 @@ def main(args: Args, algo: str | None = None) -> TrainResult:
         )
         batch = Batch(trees, success_threshold=args.success_threshold)
         # 2. group baseline over the N returns of each prompt
-        adv, degenerate = group_advantages(args, trees)
-        leaf_rank = [{leaf: j for j, leaf in enumerate(t.leaves())} for t in trees]
-        batch.set_advantages(
-            lambda row, d, adv=adv, rank=leaf_rank: adv[row.tree, rank[row.tree][row.leaf]]
+        # (a rollout whose sandbox failed is left out of the statistics and gets 0)
+        adv, degenerate, _ = advantages.per_prompt(
+            args.advantage, trees, range(len(trees)), options
         )
+        batch.set_advantages(lambda row, d, adv=adv: adv[row.tree][row.leaf])
         if run.ref is not None:
             run.frozen_logprobs(run.ref, batch, "ref_logp")
 
@@ -160,9 +142,9 @@ def main(args: Args, algo: str | None = None) -> TrainResult:
         run.log(rollout_metrics(batch))
         run.log(
             advantage_metrics(
-                [float(adv[r.tree, leaf_rank[r.tree][r.leaf]]) for r in batch.rows],
+                [adv[r.tree][r.leaf] for r in batch.rows],
                 [r.group for r in batch.rows],
             )
         )
-        run.log({"groups/skipped": int(degenerate.sum()), "groups/total": len(trees)})
+        run.log({"groups/skipped": degenerate, "groups/total": len(trees)})
     return run.close()

@@ -1,11 +1,9 @@
-"""Advantages and losses shared by every learner: pure functions on torch tensors.
+"""Losses shared by every learner: pure functions on torch tensors.
 
-Equation numbers refer to ``docs/algorithms.md``. Conventions:
+Equation numbers refer to ``docs/algorithms.md``. The advantages the losses consume
+(group baselines, eq. 4-5, Bellman PO's weights, OPD's log-ratio) live in
+:mod:`branchgym.agents.advantages`. Conventions:
 
-* Group functions (:func:`grpo_advantages`, :func:`rloo_advantages`,
-  :func:`sibling_advantages`) take rewards whose **last dimension is the group** (the
-  G responses of one prompt, or the K siblings of one branch point); any leading
-  dimensions are independent groups.
 * Token losses take per-token log-probabilities of shape ``(..., T)`` whose **last
   dimension is tokens**; ``mask`` (same shape, bool or 0/1) says which tokens count.
   A rollout tree's mask counts each shared prefix once (algorithms.md eq. 6); building it is the
@@ -16,21 +14,18 @@ Equation numbers refer to ``docs/algorithms.md``. Conventions:
   variants are picked from dicts of functions (:data:`AGGREGATIONS`,
   :data:`KL_ESTIMATORS`, :data:`PBR_CAPS`), never by string comparison inside a loss.
 
-Bad input (wrong shapes, NaN rewards, unknown options) raises
+Bad input (wrong shapes, unknown options) raises
 :class:`branchgym.error.LossInputError`, whose message says the fix.
-
-Why this module is over 600 lines: one section per equation of docs/algorithms.md, all pure
-functions sharing the same input checks and :func:`aggregate`; split by learner, those
-helpers would have to become public or be repeated.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable
 from typing import Any
 
+from branchgym.agents.advantages import bellman_po_weights, grpo_advantages, opd_advantages
 from branchgym.error import DependencyMissingError, LossInputError
 
 try:
@@ -44,303 +39,17 @@ __all__ = [
     "KL_ESTIMATORS",
     "PBR_CAPS",
     "BellmanPOLoss",
-    "GroupAdvantages",
     "PBRLoss",
     "PolicyLoss",
     "ProtocolConstraint",
     "aggregate",
     "bellman_po_loss",
     "bellman_po_mask",
-    "bellman_po_weights",
-    "degenerate_groups",
-    "grpo_advantages",
     "kl_estimate",
-    "opd_advantages",
     "opd_tree_loss",
     "pbr_loss",
     "ppo_clip_loss",
-    "propagate_advantages",
-    "rloo_advantages",
-    "sibling_advantages",
 ]
-
-
-# =============================================================== group advantages
-
-
-@dataclasses.dataclass(frozen=True)
-class GroupAdvantages:
-    """Advantages of a batch of groups, with the groups that carry no signal.
-
-    Attributes:
-        advantages: Same shape as the rewards.
-        degenerate: Bool, shape ``rewards.shape[:-1]``: groups whose valid rewards are all
-            equal (std = 0) or that have fewer than two valid members. Their advantages
-            are exactly zero; learners skip them and log :attr:`n_degenerate` as
-            "groups skipped".
-    """
-
-    advantages: Tensor
-    degenerate: Tensor
-
-    @property
-    def n_degenerate(self) -> int:
-        """Number of degenerate (skipped) groups."""
-        return int(self.degenerate.sum())
-
-    @property
-    def n_groups(self) -> int:
-        """Number of groups."""
-        return int(self.degenerate.numel())
-
-    def __iter__(self) -> Iterator[Tensor]:  # ``adv, skipped = grpo_advantages(r)``
-        return iter((self.advantages, self.degenerate))
-
-
-def _check_rewards(rewards: Tensor, mask: Tensor | None, what: str) -> tuple[Tensor, Tensor]:
-    if not isinstance(rewards, Tensor):
-        raise LossInputError(
-            f"{what}: rewards must be a torch.Tensor (last dimension = group); got "
-            f"{type(rewards).__name__}. Wrap them with torch.as_tensor(...)."
-        )
-    if rewards.ndim == 0:
-        raise LossInputError(
-            f"{what}: rewards must have a group dimension (last); got a scalar. "
-            "Pass shape (G,) for one group or (..., G) for many."
-        )
-    if rewards.shape[-1] == 0:
-        raise LossInputError(f"{what}: empty groups (last dimension 0); a group needs rewards.")
-    if not rewards.is_floating_point():
-        rewards = rewards.to(torch.get_default_dtype())
-    if mask is None:
-        valid = torch.ones_like(rewards, dtype=torch.bool)
-    else:
-        if mask.shape != rewards.shape:
-            raise LossInputError(
-                f"{what}: mask shape {tuple(mask.shape)} differs from rewards shape "
-                f"{tuple(rewards.shape)}; give one flag per reward."
-            )
-        valid = mask.to(torch.bool)
-    if not bool(torch.isfinite(torch.where(valid, rewards, 0.0)).all()):
-        raise LossInputError(
-            f"{what}: rewards contain NaN or inf; mask the failed rollouts out "
-            "(mask=...) or fix the reward function."
-        )
-    return rewards, valid
-
-
-def _group_stats(rewards: Tensor, valid: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-    """Count, mean and degenerate flag of each group over its valid members."""
-    n = valid.sum(-1)
-    r = torch.where(valid, rewards, 0.0)
-    mean = r.sum(-1) / n.clamp(min=1)
-    # "std = 0" is decided exactly (max == min over valid members), not by a threshold:
-    # equal rewards always give exactly zero advantages, whatever the rounding of the mean.
-    hi = torch.where(valid, rewards, -math.inf).amax(-1)
-    lo = torch.where(valid, rewards, math.inf).amin(-1)
-    degenerate = (n < 2) | (hi == lo)
-    return n, mean, degenerate
-
-
-def degenerate_groups(rewards: Tensor, mask: Tensor | None = None) -> Tensor:
-    """Groups without signal: all valid rewards equal, or fewer than two valid members.
-
-    Args:
-        rewards: ``(..., G)`` rewards or returns.
-        mask: Optional ``(..., G)`` validity flags (False = failed rollout, ignored).
-
-    Returns:
-        Bool tensor of shape ``rewards.shape[:-1]``.
-    """
-    rewards, valid = _check_rewards(rewards, mask, "degenerate_groups")
-    return _group_stats(rewards, valid)[2]
-
-
-def grpo_advantages(
-    rewards: Tensor,
-    eps: float = 1e-6,
-    *,
-    mask: Tensor | None = None,
-    unbiased: bool = True,
-) -> GroupAdvantages:
-    """Group-normalised advantages of GRPO (algorithms.md §3, §4): ``(R_i - mean) / (std + eps)``.
-
-    Args:
-        rewards: ``(..., G)`` rewards, last dimension = the group of one prompt.
-        eps: Added to the std; only stabilises small spreads. Groups whose std is exactly
-            zero never divide: they are flagged degenerate and get zero advantages.
-        mask: Optional ``(..., G)`` validity flags; invalid members are left out of the
-            statistics and get advantage 0.
-        unbiased: Bessel-corrected std (``N - 1``), as TRL and verl compute it (default);
-            ``False`` for the population std (``N``).
-
-    Returns:
-        :class:`GroupAdvantages` (unpacks as ``advantages, degenerate``).
-    """
-    rewards, valid = _check_rewards(rewards, mask, "grpo_advantages")
-    n, mean, degenerate = _group_stats(rewards, valid)
-    centred = torch.where(valid, rewards - mean.unsqueeze(-1), 0.0)
-    dof = (n - 1) if unbiased else n
-    std = (centred.square().sum(-1) / dof.clamp(min=1)).sqrt()
-    adv = centred / (std + eps).unsqueeze(-1)
-    adv = torch.where(degenerate.unsqueeze(-1) | ~valid, 0.0, adv)
-    return GroupAdvantages(adv, degenerate)
-
-
-def _leave_one_out(rewards: Tensor, valid: Tensor) -> tuple[Tensor, Tensor]:
-    n, _, degenerate = _group_stats(rewards, valid)
-    r = torch.where(valid, rewards, 0.0)
-    others = (r.sum(-1, keepdim=True) - r) / (n - 1).clamp(min=1).unsqueeze(-1)
-    adv = torch.where(degenerate.unsqueeze(-1) | ~valid, 0.0, rewards - others)
-    return adv, degenerate
-
-
-def rloo_advantages(rewards: Tensor, *, mask: Tensor | None = None) -> GroupAdvantages:
-    """Leave-one-out advantages of RLOO (algorithms.md §4), unnormalised.
-
-    ``A_i = R_i - (1 / (G - 1)) * sum_{j != i} R_j``, which equals
-    ``G / (G - 1) * (R_i - mean_j R_j)``.
-
-    Args:
-        rewards: ``(..., G)`` rewards, last dimension = group, ``G >= 2``.
-        mask: Optional ``(..., G)`` validity flags; the leave-one-out mean runs over the
-            valid members only.
-
-    Returns:
-        :class:`GroupAdvantages`; degenerate groups (all equal, or < 2 valid) are zero.
-    """
-    rewards, valid = _check_rewards(rewards, mask, "rloo_advantages")
-    if rewards.shape[-1] < 2:
-        raise LossInputError(
-            "rloo_advantages: a leave-one-out baseline needs at least 2 rewards per group; "
-            f"got groups of {rewards.shape[-1]}. Sample G >= 2 responses per prompt."
-        )
-    return GroupAdvantages(*_leave_one_out(rewards, valid))
-
-
-def sibling_advantages(returns: Tensor, *, mask: Tensor | None = None) -> Tensor:
-    """Local sibling advantage of Branching PO, algorithms.md eq. (4).
-
-    ``A_local(t, k) = G_t^(t,k) - (1 / (K - 1)) * sum_{j != k} G_t^(t,j)``: each sibling's
-    return-to-go from the branch state minus the mean of the other ``K - 1``. Given the
-    branch state, its mean is exactly ``Q(s_t, a_k) - V(s_t)`` (unbiased; with the mean
-    of all K instead, it would shrink by ``(K - 1) / K``).
-
-    Args:
-        returns: ``(..., K)`` returns-to-go of the K siblings of each branch point (the
-            backbone's own continuation is sibling 1), ``K >= 2``.
-        mask: Optional ``(..., K)`` validity flags (a sibling whose rollout failed).
-
-    Returns:
-        Tensor of the same shape; zero for branch points whose siblings all returned the
-        same value. With ``K = 1`` there is no sibling to compare with: fall back to
-        :func:`rloo_advantages` over independent backbones (algorithms.md §1 step 6).
-    """
-    returns, valid = _check_rewards(returns, mask, "sibling_advantages")
-    if returns.shape[-1] < 2:
-        raise LossInputError(
-            "sibling_advantages: eq. 4 needs K >= 2 siblings per branch point; got K = "
-            f"{returns.shape[-1]}. With K = 1, use rloo_advantages over independent backbones."
-        )
-    return _leave_one_out(returns, valid)[0]
-
-
-# ======================================================================== eq. 5
-
-TAILS = ("last", "zero")
-
-
-def propagate_advantages(
-    n_steps: int,
-    branch_steps: Sequence[int] | Tensor,
-    local_adv: Sequence[float] | Tensor,
-    lam: float = 0.95,
-    tail: str = "last",
-) -> Tensor:
-    """Advantage of every decision step along one owning path of a rollout tree, eq. (5).
-
-    A path is the sequence of decisions ``0 .. n_steps - 1`` from the root to one leaf.
-    ``branch_steps`` are the steps of that path that are branch points, in increasing
-    order, and ``local_adv[i]`` is the eq. (4) local advantage of the sibling this path
-    takes at ``branch_steps[i]``. For a step ``t'``, with ``b_i = branch_steps[i]``::
-
-        A(t') = sum over i with b_i >= t' of lam ** (b_i - t') * local_adv[i]
-
-    so a branch step ``b`` itself gets ``local_adv(b)`` plus the discounted advantages
-    of the later branch points on the path, and the shared steps before the first branch
-    point collect every downstream comparison (the "advantage broadcast" of eq. 6).
-
-    Steps after the last branch point ``b*`` (a sibling's own tail, or the backbone's
-    tail) have no branch point at or after them:
-
-    * ``tail="last"`` (algorithms.md default): they get ``local_adv(b*)`` undiscounted, as RLOO
-      gives every token of a trajectory its trajectory advantage;
-    * ``tail="zero"``: they get 0 (the strict reading of eq. 5).
-
-    Only branch points at or after a step affect it, so a caller that needs the steps
-    from ``t0`` on may pass just the branch points at or after ``t0``; entries before
-    ``t0`` are then meaningless.
-
-    With no branch points on the path (``M = 0`` or ``K = 1``) every step gets 0 under
-    either tail: there is no sibling comparison to propagate, and the learner must fall
-    back to the group (RLOO) baseline over independent backbones (algorithms.md §1 step 6).
-
-    Args:
-        n_steps: Number of decision steps on the path (``>= 0``).
-        branch_steps: Strictly increasing step indices in ``[0, n_steps)``.
-        local_adv: One local advantage per branch step (a sequence or a 1-D tensor).
-        lam: Discount ``lambda`` in ``[0, 1]`` (algorithms.md default 0.95).
-        tail: ``"last"`` or ``"zero"``, see above.
-
-    Returns:
-        1-D float tensor of length ``n_steps`` (dtype and device of ``local_adv`` when it
-        is a floating tensor; the default dtype otherwise).
-    """
-    if tail not in TAILS:
-        raise LossInputError(f"propagate_advantages: tail must be one of {TAILS}; got {tail!r}.")
-    if not 0.0 <= float(lam) <= 1.0:
-        raise LossInputError(
-            f"propagate_advantages: lam must be in [0, 1] (algorithms.md default 0.95); got {lam}."
-        )
-    if isinstance(n_steps, bool) or int(n_steps) != n_steps or n_steps < 0:
-        raise LossInputError(
-            f"propagate_advantages: n_steps must be a non-negative int; got {n_steps!r}."
-        )
-    n_steps = int(n_steps)
-    if isinstance(local_adv, Tensor) and local_adv.is_floating_point():
-        adv = local_adv.reshape(-1)
-    else:
-        adv = torch.as_tensor(local_adv, dtype=torch.get_default_dtype()).reshape(-1)
-    steps = torch.as_tensor(branch_steps, dtype=torch.long, device=adv.device).reshape(-1)
-    if steps.numel() != adv.numel():
-        raise LossInputError(
-            f"propagate_advantages: {steps.numel()} branch steps but {adv.numel()} local "
-            "advantages; give one local advantage per branch step of the path."
-        )
-    if steps.numel():
-        if int(steps.min()) < 0 or int(steps.max()) >= n_steps:
-            raise LossInputError(
-                f"propagate_advantages: branch steps {steps.tolist()} must lie in "
-                f"[0, n_steps={n_steps})."
-            )
-        if steps.numel() > 1 and not bool((steps[1:] > steps[:-1]).all()):
-            raise LossInputError(
-                f"propagate_advantages: branch steps {steps.tolist()} must be strictly "
-                "increasing (one local advantage per branch point along the path)."
-            )
-    out = torch.zeros(n_steps, dtype=adv.dtype, device=adv.device)
-    if steps.numel() == 0:
-        return out
-    t = torch.arange(n_steps, device=adv.device)
-    gap = steps.unsqueeze(0) - t.unsqueeze(1)  # (n_steps, M): b - t'
-    weight = torch.where(
-        gap >= 0, torch.tensor(float(lam), dtype=adv.dtype, device=adv.device) ** gap, 0.0
-    )
-    out = weight @ adv
-    if tail == "last":
-        last = int(steps[-1])
-        out[last + 1 :] = adv[-1]
-    return out
 
 
 # ================================================================== aggregation
@@ -587,28 +296,6 @@ def ppo_clip_loss(
 # ================================================================== Bellman PO
 
 
-def bellman_po_weights(mu: Tensor, pi: Tensor, eps: float = 0.1) -> Tensor:
-    """Smoothed complementary-probability ratio of Bellman PO (algorithms.md §3).
-
-    ``omega = (1 + eps - mu) / (1 + eps - pi)``, with ``mu`` the rollout policy's and
-    ``pi`` the current policy's probability of the sampled token. ``omega = 1`` when
-    ``pi = mu``; it grows when the current policy has become more certain of the token.
-    With ``eps = 0`` it is the exact ratio ``(1 - q) / (1 - p)`` of the identity
-    ``grad[log p + KL_bin(mu || pi; y)] = (1 - q) / (1 - p) * grad log p``.
-
-    Args:
-        mu: Probabilities (not log-probabilities) under the rollout policy.
-        pi: Probabilities under the current policy (same shape).
-        eps: Smoothing (algorithms.md default 0.1); must be > 0 unless no probability equals 1.
-
-    Returns:
-        ``omega``, same shape; differentiable (the loss stops its gradient).
-    """
-    if eps < 0:
-        raise LossInputError(f"bellman_po_weights: eps must be >= 0 (default 0.1); got {eps}.")
-    return (1.0 + eps - mu) / (1.0 + eps - pi)
-
-
 def bellman_po_mask(
     advantages: Tensor, omega: Tensor, eps_high: float = 0.28, eps_low: float = 0.2
 ) -> Tensor:
@@ -736,36 +423,6 @@ def bellman_po_loss(
 
 
 # ======================================================================== OPD
-
-
-def opd_advantages(teacher_logp: Tensor, student_logp: Tensor, delta: float = 1.0) -> Tensor:
-    """Per-token distillation advantage of (Branching) OPD (algorithms.md §2 step 5).
-
-    ``A = clip(stopgrad(log pi_T(a|s) - log pi_theta(a|s)), -delta, delta)``: positive
-    where the teacher likes the student's token more than the student does. Its
-    expectation under the student is minus the reverse KL's gradient weight.
-
-    The spec does not give ``delta``; the default 1.0 bounds a token's advantage at the
-    scale of a normalised advantage. (The source lists an unexplained ``eta = 0.2`` among
-    its key hyperparameters, which may be this; pass ``delta=0.2`` to try it.)
-
-    Args:
-        teacher_logp: ``(..., T)`` log-probabilities of the sampled tokens under the
-            frozen teacher.
-        student_logp: Same shape, under the student.
-        delta: Clip bound, ``> 0``.
-
-    Returns:
-        Detached per-token advantages.
-    """
-    if delta <= 0:
-        raise LossInputError(f"opd_advantages: delta must be > 0; got {delta}.")
-    if teacher_logp.shape != student_logp.shape:
-        raise LossInputError(
-            f"opd_advantages: teacher shape {tuple(teacher_logp.shape)} differs from student "
-            f"shape {tuple(student_logp.shape)}."
-        )
-    return torch.clamp((teacher_logp - student_logp).detach(), -delta, delta)
 
 
 def opd_tree_loss(

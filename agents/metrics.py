@@ -113,7 +113,7 @@ def ratio_spread(c: Chunk, *, omega_eps: float | None = None) -> dict[str, float
             "ratio/max": float(ratio.max()),
         }
         if omega_eps is not None:
-            from branchgym.agents.losses import bellman_po_weights
+            from branchgym.agents.advantages import bellman_po_weights
 
             omega = bellman_po_weights(mu, pi, eps=omega_eps)
             out.update(

@@ -107,7 +107,7 @@ def run_dir(tmp_path_factory):
 
 @pytest.mark.slow
 def test_training_saves_each_steps_trees_with_the_advantages_it_used(run_dir):
-    from branchgym.agents import bpo
+    from branchgym.agents import advantages, bpo
 
     files = sorted(p.name for p in (run_dir / "trees").iterdir())
     assert files == ["step_000001.json.gz", "step_000002.json.gz"]
@@ -121,7 +121,7 @@ def test_training_saves_each_steps_trees_with_the_advantages_it_used(run_dir):
         assert [b.k for b in tree.branch_points()] == [4, 4]
         saved = tree.meta["advantages"]
         # the learner's own eq. 4-5 advantages, for every decision whose tokens the loss saw
-        again, _, _ = bpo.tree_advantages(tree, args.lam, args.tail)
+        again, _, _ = advantages.tree_advantages(tree, args.lam, args.tail)
         assert saved == {i: again[i] for i in saved}
         assert set(saved) == {n.id for n in tree if n.n_tokens}
         assert not any(n.id in saved for n in tree if n.error)

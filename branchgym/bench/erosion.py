@@ -64,7 +64,7 @@ def sibling_advantages(returns: np.ndarray) -> np.ndarray:
     """Eq. (4) on NumPy returns: the shared definition in ``branchgym.agents.losses``."""
     import torch
 
-    from branchgym.agents.losses import sibling_advantages as eq4
+    from branchgym.agents.advantages import sibling_advantages as eq4
 
     return eq4(torch.as_tensor(np.asarray(returns, dtype=np.float64))).numpy()
 

@@ -45,7 +45,7 @@ from typing import Any
 
 import numpy as np
 
-from branchgym.agents import bpo, grpo
+from branchgym.agents import advantages, bpo, grpo
 from branchgym.agents.metrics import advantage_metrics, rollout_metrics
 from branchgym.agents.policy import LLMPolicy
 from branchgym.agents.policy_kinds import PolicyKind
@@ -438,31 +438,15 @@ class BranchingGRPOTrainer(GRPOTrainer):
         """Rows of the trees with their per-token advantages, and the tree metrics."""
         la = self.learner_args
         trees = list(trees)
-        n_bp = n_degenerate = 0
+        options = advantages.AdvantageOptions.of(la)
         if isinstance(la, grpo.Args) or not la.branching:
-            group_args = la if isinstance(la, grpo.Args) else grpo.Args(advantage="rloo")
-            adv, degenerate = grpo.group_advantages(group_args, trees)
-            per_tree = []
-            for ti, t in enumerate(trees):
-                by_node = {}
-                for j, leaf in enumerate(t.leaves()):
-                    for nid in t.path_to(leaf):
-                        by_node[nid] = float(adv[ti, j])
-                per_tree.append(by_node)
-            skipped = int(degenerate.sum())
-        else:
-            per_tree = []
-            for t in trees:
-                a, bp, deg = bpo.tree_advantages(t, la.lam, la.tail)
-                per_tree.append(a)
-                n_bp, n_degenerate = n_bp + bp, n_degenerate + deg
-            spec = (la.credit, la.backbone_credit, la.backbones, la.depth_weight)
-            if spec != ("lambda", "include", 1, False):  # docs/estimators.md, per prompt
-                for g in dict.fromkeys(groups):
-                    idx = [i for i, x in enumerate(groups) if x == g]
-                    adv = bpo.prompt_advantages([trees[i] for i in idx], la)
-                    for i, a in zip(idx, adv, strict=True):
-                        per_tree[i] = a
+            # a group baseline over each tree's independent rollouts (bpo's K = 1: rloo)
+            name = la.advantage if isinstance(la, grpo.Args) else "rloo"
+            per_tree, skipped, _ = advantages.per_prompt(name, trees, range(len(trees)), options)
+            n_bp = n_degenerate = 0
+        else:  # eq. 4-5, or a credit variant of docs/estimators.md, per prompt's trees
+            name = advantages.CREDITS[la.credit]
+            per_tree, n_degenerate, n_bp = advantages.per_prompt(name, trees, groups, options)
             skipped = sum(all(v == 0 for v in a.values()) for a in per_tree)
         batch = Batch(trees, list(groups), success_threshold=la.success_threshold)
         batch.set_advantages(lambda row, d: per_tree[row.tree][d.node])

@@ -13,7 +13,7 @@ advantages. This module plugs branchgym into both registries:
   *owns* (observation tokens and a shared prefix owned by another path are 0, so every
   generated token is counted once, as branchgym's own rows), the behaviour log-probs,
   and the per-token advantages of branchgym's estimators
-  (:func:`branchgym.agents.bpo.prompt_advantages`: eq. 4-5 and the variants of
+  (:data:`branchgym.agents.advantages.ADVANTAGES`: eq. 4-5 and the variants of
   docs/estimators.md) in ``extra_fields["branchgym_advantages"]``.
 * ``branchgym`` in verl's advantage-estimator registry (:func:`tree_advantage`): hands
   those per-token advantages to the actor unchanged. They reach it as the batch's
@@ -374,7 +374,7 @@ class BranchingAgentLoop(AgentLoopBase):
         ``rows=None`` (verl's v1 trainer, which stores every output of a loop as its own
         row) returns the paths alone.
         """
-        from branchgym.agents.bpo import prompt_advantages, tree_advantages
+        from branchgym.agents import advantages
         from branchgym.agents.rows import path_decisions
 
         paths = tree.token_masks()
@@ -384,8 +384,10 @@ class BranchingAgentLoop(AgentLoopBase):
                 f"the tree has {len(paths)} paths but verl asked for {rows} rows per prompt; "
                 f"set actor_rollout_ref.rollout.n >= 1 + M(K - 1) = {self.paths_per_tree}."
             )
-        adv = prompt_advantages([tree], self.args)[0]
-        _, _, degenerate = tree_advantages(tree, self.args.lam, self.args.tail)
+        out = advantages.advantage(advantages.CREDITS[self.args.credit])(
+            [tree], advantages.AdvantageOptions.of(self.args)
+        )
+        adv, degenerate = out.nodes[0], out.degenerate
         figures = tree_metrics(tree, degenerate)
         head = policy.prompt_ids(Context(tree.env_id, tree.observation, tree.info))
         prompt_length = int(self.rollout_config.prompt_length)

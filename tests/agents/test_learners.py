@@ -161,7 +161,7 @@ def _leaf(tree, parent, reward, error=None):
 def test_group_learners_leave_failed_rollouts_out_of_the_group():
     import numpy as np
 
-    from branchgym.agents import grpo
+    from branchgym.agents import advantages
     from branchgym.agents.metrics import rollout_metrics
     from branchgym.agents.rows import Batch
     from branchgym.rollout.tree import RolloutTree
@@ -170,16 +170,18 @@ def test_group_learners_leave_failed_rollouts_out_of_the_group():
     for r, err in ((1.0, None), (0.0, None), (0.0, "sandbox crashed"), (1.0, None)):
         _leaf(t, -1, r, err)
     assert t.valid_paths().tolist() == [True, True, False, True]
-    adv, _ = grpo.group_advantages(grpo.Args(advantage="rloo"), [t])
+    options = advantages.AdvantageOptions()
+    adv = advantages.advantage("rloo")([t], options).nodes[0]
     # leave-one-out over the three valid rollouts only: 1 - (0 + 1)/2, 0 - (1 + 1)/2
-    assert np.allclose(adv[0].numpy(), [0.5, -1.0, 0.0, 0.5])
-    adv, _ = grpo.group_advantages(grpo.Args(advantage="grpo"), [t])
-    assert adv[0, 2] == 0 and np.isclose(float(adv[0].sum()), 0.0)
+    assert np.allclose([adv[leaf] for leaf in t.leaves()], [0.5, -1.0, 0.0, 0.5])
+    adv = advantages.advantage("grpo")([t], options).nodes[0]
+    leaf_adv = [adv[leaf] for leaf in t.leaves()]
+    assert leaf_adv[2] == 0 and np.isclose(sum(leaf_adv), 0.0)
     assert rollout_metrics(Batch([t]))["groups/invalid_rollouts"] == 1.0
 
 
 def test_bpo_leaves_failed_siblings_out_of_eq4():
-    from branchgym.agents import bpo
+    from branchgym.agents import advantages
     from branchgym.rollout.tree import RolloutTree
 
     t = RolloutTree("hand", 0, "start", {})
@@ -187,7 +189,7 @@ def test_bpo_leaves_failed_siblings_out_of_eq4():
     rewards = (1.0, 0.0, 1.0, 0.0)  # siblings k = 1..4 under n0
     errors = (None, None, "timeout: step took > 1 s", None)
     leaves = [_leaf(t, n0, r, e) for r, e in zip(rewards, errors, strict=True)]
-    adv, n_bp, _ = bpo.tree_advantages(t, lam=1.0)
+    adv, n_bp, _ = advantages.tree_advantages(t, lam=1.0)
     assert n_bp == 1
     # eq. 4 over the three valid siblings: each minus the mean of the other two
     assert [adv[n] for n in leaves] == [1.0, -0.5, 0.0, -0.5]
@@ -195,6 +197,6 @@ def test_bpo_leaves_failed_siblings_out_of_eq4():
     t2 = RolloutTree("hand", 0, "start", {})
     m0 = t2.add(-1, action="a", text="a").id
     ok = [_leaf(t2, m0, r) for r, e in zip(rewards, errors, strict=True) if e is None]
-    adv2, _, _ = bpo.tree_advantages(t2, lam=1.0)
+    adv2, _, _ = advantages.tree_advantages(t2, lam=1.0)
     valid_adv = [adv[n] for n, e in zip(leaves, errors, strict=True) if e is None]
     assert [adv2[n] for n in ok] == valid_adv

@@ -1,4 +1,7 @@
-"""branchgym.agents.losses: advantages, eq. 5 propagation, PPO-clip, KL, Bellman PO, OPD, PBR.
+"""branchgym.agents.losses: aggregation, PPO-clip, KL, Bellman PO, OPD, PBR.
+
+The advantages these losses consume (group baselines, eq. 5, Bellman PO's weights, OPD's
+log-ratio) are tested with their module in test_advantages.py.
 
 Expected values are computed by hand in the tests (small cases) or by a second, plainer
 formula; the theory tests on TreeMDP are in test_theory.py.
@@ -19,133 +22,6 @@ def _float64():  # exact comparisons; restored afterwards
     torch.set_default_dtype(torch.float64)
     yield
     torch.set_default_dtype(old)
-
-
-# ------------------------------------------------------------------ group advantages
-
-
-def test_grpo_advantages_by_hand():
-    r = torch.tensor([1.0, 0.0, 0.0, 1.0])
-    adv, degenerate = L.grpo_advantages(r, eps=0.0)
-    # mean 0.5, Bessel std sqrt(1/3): +-0.5 / 0.57735
-    assert torch.allclose(adv, torch.tensor([1.0, -1.0, -1.0, 1.0]) * 0.5 / math.sqrt(1 / 3))
-    assert not degenerate
-    pop = L.grpo_advantages(r, eps=0.0, unbiased=False).advantages
-    assert torch.allclose(pop, torch.tensor([1.0, -1.0, -1.0, 1.0]))
-
-
-def test_degenerate_groups_are_zero_and_counted():
-    r = torch.tensor([[1.0, 1.0, 1.0], [0.0, 1.0, 0.0], [0.1, 0.1, 0.1], [0.3, 0.3, 0.3]])
-    out = L.grpo_advantages(r)
-    assert out.degenerate.tolist() == [True, False, True, True]
-    assert out.n_degenerate == 3 and out.n_groups == 4
-    # exactly zero even where the mean of equal floats is not exactly the value
-    assert torch.equal(out.advantages[[0, 2, 3]], torch.zeros(3, 3))
-    assert (out.advantages[1] != 0).all()
-    rl = L.rloo_advantages(r)
-    assert rl.n_degenerate == 3 and torch.equal(rl.advantages[[0, 2, 3]], torch.zeros(3, 3))
-    assert L.degenerate_groups(r).tolist() == [True, False, True, True]
-
-
-def test_rloo_is_leave_one_out_mean():
-    r = torch.tensor([1.0, 2.0, 3.0, 6.0])
-    adv = L.rloo_advantages(r).advantages
-    expect = torch.tensor([r[i] - (r.sum() - r[i]) / 3 for i in range(4)])
-    assert torch.allclose(adv, expect)
-    assert torch.allclose(adv, 4 / 3 * (r - r.mean()))
-    assert torch.allclose(adv.sum(), torch.tensor(0.0))
-
-
-def test_sibling_advantages_eq4_and_batching():
-    g = torch.tensor([[0.2, 0.9, 0.4], [1.0, 0.0, 0.5]])
-    a = L.sibling_advantages(g)
-    for b in range(2):
-        for k in range(3):
-            others = [g[b, j] for j in range(3) if j != k]
-            assert torch.isclose(a[b, k], g[b, k] - sum(others) / 2)
-    assert torch.equal(a, L.rloo_advantages(g).advantages)
-
-
-def test_masked_members_leave_the_statistics():
-    r = torch.tensor([[1.0, 0.0, 5.0, 1.0], [2.0, 9.0, 9.0, 9.0]])
-    m = torch.tensor([[True, True, False, True], [True, False, False, False]])
-    adv = L.sibling_advantages(r, mask=m)
-    assert torch.allclose(adv[0], torch.tensor([0.5, -1.0, 0.0, 0.5]))
-    assert torch.equal(adv[1], torch.zeros(4))  # one valid member: degenerate
-    g = L.grpo_advantages(r, mask=m)
-    assert g.degenerate.tolist() == [False, True] and g.advantages[0, 2] == 0
-    # a NaN reward is fine where it is masked out, an error where it counts
-    bad = torch.tensor([1.0, float("nan"), 0.0])
-    L.rloo_advantages(bad, mask=torch.tensor([True, False, True]))
-    with pytest.raises(LossInputError, match="NaN"):
-        L.rloo_advantages(bad)
-
-
-def test_group_input_errors():
-    with pytest.raises(LossInputError, match="K >= 2.*rloo_advantages"):
-        L.sibling_advantages(torch.tensor([[1.0], [2.0]]))
-    with pytest.raises(LossInputError, match="at least 2"):
-        L.rloo_advantages(torch.tensor([1.0]))
-    with pytest.raises(LossInputError, match="torch.Tensor"):
-        L.grpo_advantages([1.0, 0.0])
-    with pytest.raises(LossInputError, match="scalar"):
-        L.grpo_advantages(torch.tensor(1.0))
-    with pytest.raises(LossInputError, match="mask shape"):
-        L.grpo_advantages(torch.zeros(2, 3), mask=torch.ones(3, dtype=torch.bool))
-    with pytest.raises(LossInputError, match="empty groups"):
-        L.grpo_advantages(torch.zeros(3, 0))
-    adv, _ = L.rloo_advantages(torch.tensor([1, 0, 0]))  # integer rewards are fine
-    assert adv.is_floating_point()
-
-
-# ------------------------------------------------------------------------ eq. 5
-
-
-def test_propagation_by_hand():
-    lam = 0.5
-    a1, a3 = 1.0, 2.0
-    out = L.propagate_advantages(6, [1, 3], [a1, a3], lam=lam)
-    expect = [lam * a1 + lam**3 * a3, a1 + lam**2 * a3, lam * a3, a3, a3, a3]
-    assert torch.allclose(out, torch.tensor(expect))
-    zero = L.propagate_advantages(6, [1, 3], [a1, a3], lam=lam, tail="zero")
-    assert torch.allclose(zero, torch.tensor(expect[:4] + [0.0, 0.0]))
-
-
-def test_propagation_edge_cases():
-    # no branch point on the path: nothing to propagate, under either tail
-    for tail in ("last", "zero"):
-        assert torch.equal(L.propagate_advantages(4, [], [], tail=tail), torch.zeros(4))
-    assert L.propagate_advantages(0, [], []).shape == (0,)
-    # lam = 1 sums, lam = 0 keeps only the branch step itself
-    assert torch.allclose(
-        L.propagate_advantages(3, [0, 2], [1.0, 2.0], lam=1.0), torch.tensor([3.0, 2.0, 2.0])
-    )
-    assert torch.allclose(
-        L.propagate_advantages(4, [1, 2], [1.0, 2.0], lam=0.0), torch.tensor([0.0, 1.0, 2.0, 2.0])
-    )
-    # a branch at the last step; a tensor in keeps its dtype
-    out = L.propagate_advantages(3, torch.tensor([2]), torch.tensor([0.5], dtype=torch.float64))
-    assert out.dtype == torch.float64 and torch.allclose(
-        out, torch.tensor([0.5 * 0.95**2, 0.5 * 0.95, 0.5], dtype=torch.float64)
-    )
-
-
-@pytest.mark.parametrize(
-    ("args", "kwargs", "match"),
-    [
-        ((5, [3, 1], [1.0, 2.0]), {}, "strictly increasing"),
-        ((5, [1, 1], [1.0, 2.0]), {}, "strictly increasing"),
-        ((5, [5], [1.0]), {}, r"\[0, n_steps=5\)"),
-        ((5, [-1], [1.0]), {}, r"\[0, n_steps=5\)"),
-        ((5, [1, 2], [1.0]), {}, "one local advantage per branch step"),
-        ((5, [1], [1.0]), {"tail": "first"}, "tail must be"),
-        ((5, [1], [1.0]), {"lam": 1.5}, "lam must be"),
-        ((-1, [], []), {}, "non-negative int"),
-    ],
-)
-def test_propagation_errors(args, kwargs, match):
-    with pytest.raises(LossInputError, match=match):
-        L.propagate_advantages(*args, **kwargs)
 
 
 # ------------------------------------------------------------------- aggregation
@@ -263,17 +139,6 @@ def test_kl_estimators_against_exact_kl():
 # ------------------------------------------------------------------ Bellman PO
 
 
-def test_bellman_weights_source_examples():
-    # the source's two illustrations: 0.01 -> 0.02 barely moves omega, 0.8 -> 0.9 gives 1.5
-    w = L.bellman_po_weights(torch.tensor([0.01, 0.8]), torch.tensor([0.02, 0.9]), eps=0.1)
-    assert torch.allclose(w, torch.tensor([1.09 / 1.08, 1.5]))
-    p = torch.linspace(0.0, 1.0, 11)
-    for eps in (0.05, 0.1, 0.3):
-        assert torch.equal(L.bellman_po_weights(p, p, eps), torch.ones(11))
-    with pytest.raises(LossInputError, match="eps"):
-        L.bellman_po_weights(p, p, -0.1)
-
-
 def test_bellman_skipped_groups_leave_the_mean():
     logits, _, logp = _logits_and_logp((2, 3, 4))
     old = logp.detach() - 0.05
@@ -291,16 +156,6 @@ def test_bellman_skipped_groups_leave_the_mean():
 
 
 # ------------------------------------------------------------------------- OPD
-
-
-def test_opd_advantages_clip_and_stop_gradient():
-    t = torch.tensor([-1.0, -2.0, -0.1, -5.0])
-    s = torch.tensor([-1.5, -0.5, -0.2, -0.1], requires_grad=True)
-    a = L.opd_advantages(t, s, delta=1.0)
-    assert torch.allclose(a, torch.tensor([0.5, -1.0, 0.1, -1.0]))
-    assert not a.requires_grad
-    with pytest.raises(LossInputError, match="delta"):
-        L.opd_advantages(t, s, delta=0.0)
 
 
 def test_opd_tree_loss_is_token_mean_ppo_on_opd_advantages():

@@ -13,7 +13,7 @@ torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 pytest.importorskip("peft")
 
-from branchgym.agents import bpo  # noqa: E402
+from branchgym.agents import advantages, bpo  # noqa: E402
 from branchgym.agents.forward import Pack, bucketed_forward, pack_trees  # noqa: E402
 from branchgym.agents.memory import (  # noqa: E402
     MasterWeights,
@@ -56,7 +56,7 @@ def _bpo_batch(run: Run) -> Batch:
         for s in (0, 1)
     ]
     batch = Batch(trees)
-    adv = [bpo.tree_advantages(t)[0] for t in trees]
+    adv = [advantages.tree_advantages(t)[0] for t in trees]
     batch.set_advantages(lambda row, d: adv[row.tree][d.node])
     if run.ref is not None:
         run.frozen_logprobs(run.ref, batch, "ref_logp")

@@ -16,6 +16,7 @@ torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
 from branchgym.agents import (  # noqa: E402
+    advantages,
     bellman_po,
     bpo,
     branch_opd,
@@ -137,11 +138,11 @@ def flat_counted(batch, per_decision):
 def test_bpo_loss_on_a_hand_built_tree_matches_eqs_4_5_6():
     tree = branching_tree()
     args = bpo.Args(beta=0.0, lam=0.9)
-    adv, n_bp, n_deg = bpo.tree_advantages(tree, args.lam, args.tail)
+    adv, n_bp, n_deg = advantages.tree_advantages(tree, args.lam, args.tail)
     assert n_bp == 2 and n_deg == 0
     # eq. 4 at each branch point, by the losses module
-    a1 = losses.sibling_advantages(torch.tensor([1.0, 0.0, 1.0, 0.0], dtype=torch.float64))
-    a2 = losses.sibling_advantages(torch.tensor([1.0, 0.0, 0.0], dtype=torch.float64))
+    a1 = advantages.sibling_advantages(torch.tensor([1.0, 0.0, 1.0, 0.0], dtype=torch.float64))
+    a2 = advantages.sibling_advantages(torch.tensor([1.0, 0.0, 0.0], dtype=torch.float64))
     # eq. 5 along each owning path: (nodes, branch steps, local advantages of the path)
     paths = {
         2: ([0, 1, 2], [1, 2], [a1[0], a2[0]]),
@@ -154,7 +155,7 @@ def test_bpo_loss_on_a_hand_built_tree_matches_eqs_4_5_6():
     owned = {2: [0, 1, 2], 9: [9], 10: [10], 4: [3, 4], 6: [5, 6], 8: [7, 8]}
     expected = {}
     for leaf, (nodes, steps, local) in paths.items():
-        along = losses.propagate_advantages(len(nodes), steps, local, args.lam, args.tail)
+        along = advantages.propagate_advantages(len(nodes), steps, local, args.lam, args.tail)
         for nid in owned[leaf]:
             expected[nid] = float(along[nodes.index(nid)])
     assert adv == pytest.approx(expected)
@@ -182,8 +183,10 @@ def test_bpo_loss_on_a_hand_built_tree_matches_eqs_4_5_6():
 
 def test_bpo_without_branches_falls_back_to_rloo_over_backbones():
     trees = [group_tree([1.0, 0.0, 0.0], [2, 2, 1]), group_tree([0.0, 0.0, 0.0], [1, 1, 1])]
-    per_tree, skipped = bpo._fallback_advantages(trees)
-    want, degenerate = losses.rloo_advantages(torch.tensor([[1.0, 0.0, 0.0], [0.0, 0.0, 0.0]]))
+    per_tree, skipped, _ = advantages.per_prompt(
+        "rloo", trees, range(len(trees)), advantages.AdvantageOptions()
+    )
+    want, degenerate = advantages.rloo_advantages(torch.tensor([[1.0, 0.0, 0.0], [0.0, 0.0, 0.0]]))
     assert skipped == int(degenerate.sum()) == 1
     leaf_adv = [[per_tree[i][leaf] for leaf in t.leaves()] for i, t in enumerate(trees)]
     np.testing.assert_allclose(leaf_adv, want.numpy())
@@ -209,12 +212,15 @@ def test_grpo_loss_equals_a_from_scratch_computation(advantage):
     """
     trees = [group_tree([1.0, 0.0, 1.0, 0.0], [2, 1, 3, 2], seed=s) for s in (0, 1)]
     args = grpo.Args(advantage=advantage, n=4, beta=0.05)
-    adv, _ = grpo.group_advantages(args, trees)
-    np.testing.assert_allclose(adv.numpy(), [HAND_ADVANTAGES[advantage]] * 2, rtol=1e-6)
+    adv, _, _ = advantages.per_prompt(
+        args.advantage, trees, range(len(trees)), advantages.AdvantageOptions.of(args)
+    )
+    leaf_adv = [[adv[i][leaf] for leaf in t.leaves()] for i, t in enumerate(trees)]
+    np.testing.assert_allclose(leaf_adv, [HAND_ADVANTAGES[advantage]] * 2, rtol=1e-6)
     batch = Batch(trees)
     rank = [{leaf: j for j, leaf in enumerate(t.leaves())} for t in trees]
     row_adv = [HAND_ADVANTAGES[advantage][rank[r.tree][r.leaf]] for r in batch.rows]
-    batch.set_advantages(lambda row, d: adv[row.tree, rank[row.tree][row.leaf]])
+    batch.set_advantages(lambda row, d: adv[row.tree][row.leaf])
     for d in batch.decisions():  # a reference policy a little off the old one
         d.ref_logp = d.old_logp - 0.1
     logp = current_logp(batch, seed=1)
@@ -452,7 +458,7 @@ def test_gradient_accumulation_equals_one_pass(tmp_path):
         for s in (0, 1)
     ]
     batch = Batch(trees)
-    adv = [bpo.tree_advantages(t)[0] for t in trees]
+    adv = [advantages.tree_advantages(t)[0] for t in trees]
     batch.set_advantages(lambda row, d: adv[row.tree][d.node])
     run.frozen_logprobs(run.ref, batch, "ref_logp")
     run.optimizer.step = lambda: None  # keep the weights; compare the gradients

@@ -209,8 +209,8 @@ def test_cli_quick_writes_report_plots_and_json(tmp_path, capsys):
 
 
 def _learner_gradient_ratio(prompts, seed, **options):
-    """The learner's own advantages (grow_tree + prompt_advantages) as a tabular gradient."""
-    from branchgym.agents import bpo
+    """The learner's own advantages (grow_tree + the advantages registry) as a tabular gradient."""
+    from branchgym.agents import advantages, bpo
     from branchgym.agents.policy import TabularPolicy
     from branchgym.rollout.executors import EnvRecipe
     from branchgym.rollout.grow import grow_tree
@@ -243,7 +243,9 @@ def _learner_gradient_ratio(prompts, seed, **options):
         ]
         n = sum(len(t.leaves()) for t in trees)
         g = np.zeros_like(pi)
-        for t, adv in zip(trees, bpo.prompt_advantages(trees, args), strict=True):
+        estimate = advantages.advantage(advantages.CREDITS[args.credit])
+        per_tree = estimate(trees, advantages.AdvantageOptions.of(args)).nodes
+        for t, adv in zip(trees, per_tree, strict=True):
             for node in t.nodes:
                 s = 0 if node.parent < 0 else int(t[node.parent].observation)
                 g[s] += adv[node.id] * (eye[int(node.action)] - pi[s]) / n

@@ -207,12 +207,12 @@ def test_on_fixed_lengths_the_new_weights_equal_the_old(maze):
 
 
 def _learner_draws(tree_kw, pi, prompts, seed, **options):
-    """The bpo learner's own advantages (grow_tree + prompt_advantages) as tabular gradients.
+    """The bpo learner's own advantages (grow_tree + the advantages registry) as tabular gradients.
 
     Each decision's gradient weight is its advantage / N, N = G (1 + M (K - 1)) the planned
     rollouts (``depth_weight`` makes advantage / N = credit / n_t).
     """
-    from branchgym.agents import bpo
+    from branchgym.agents import advantages, bpo
     from branchgym.agents.policy import TabularPolicy
     from branchgym.rollout.executors import EnvRecipe
     from branchgym.rollout.grow import grow_tree
@@ -233,7 +233,9 @@ def _learner_draws(tree_kw, pi, prompts, seed, **options):
             for _ in range(args.backbones)
         ]  # fmt: skip
         g = np.zeros_like(pi)
-        for t, adv in zip(trees, bpo.prompt_advantages(trees, args), strict=True):
+        estimate = advantages.advantage(advantages.CREDITS[args.credit])
+        per_tree = estimate(trees, advantages.AdvantageOptions.of(args)).nodes
+        for t, adv in zip(trees, per_tree, strict=True):
             for node in t.nodes:
                 s = 0 if node.parent < 0 else int(t[node.parent].observation)
                 g[s] += adv[node.id] * (eye[int(node.action)] - pi[s]) / n

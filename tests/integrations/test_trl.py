@@ -16,7 +16,7 @@ import pytest
 torch = pytest.importorskip("torch")
 trl = pytest.importorskip("trl")
 
-from branchgym.agents import bpo, grpo  # noqa: E402
+from branchgym.agents import advantages, bpo, grpo  # noqa: E402
 from branchgym.agents.models import tiny_qwen2  # noqa: E402
 from branchgym.agents.policy import LLMPolicy, admissible_actions  # noqa: E402
 from branchgym.agents.prompts import ParsedAction, TextTreePrompt, WebShopPrompt  # noqa: E402
@@ -238,7 +238,7 @@ def bpo_gradient(tmp_path, tree, args):
     """branchgym's own bpo learner's update on ``tree``: the gradient it stepped with."""
     run = Run(args, "bpo")
     try:
-        adv, _, _ = bpo.tree_advantages(tree, args.lam, args.tail)
+        adv, _, _ = advantages.tree_advantages(tree, args.lam, args.tail)
         batch = Batch([tree])
         batch.set_advantages(lambda row, d: adv[d.node])
         run.update(
@@ -322,11 +322,12 @@ def test_rloo_topology_gradient_equals_the_rloo_learner(tmp_path):
     )
     run = Run(args, "rloo")
     try:
-        adv, _ = grpo.group_advantages(args, trees)
-        assert bool((adv != 0).any()), "the group should not be degenerate"
-        rank = [{leaf: j for j, leaf in enumerate(t.leaves())} for t in trees]
+        adv, _, _ = advantages.per_prompt(
+            args.advantage, trees, range(len(trees)), advantages.AdvantageOptions.of(args)
+        )
+        assert any(a != 0 for t in adv for a in t.values()), "the group should not be degenerate"
         batch = Batch(trees)
-        batch.set_advantages(lambda row, d: adv[row.tree, rank[row.tree][row.leaf]])
+        batch.set_advantages(lambda row, d: adv[row.tree][row.leaf])
         run.update(
             batch,
             list(range(len(batch.rows))),
@@ -410,7 +411,7 @@ def test_the_docs_example_trains(tmp_path, monkeypatch, capsys):
 
 @pytest.mark.parametrize("estimator", ["bpo-root", "bpo-value_diff"])
 def test_variant_credit_matches_the_bpo_learners(tmp_path, estimator):
-    """Two backbones per prompt; advantages as bpo.prompt_advantages gives them."""
+    """Two backbones per prompt; advantages as the registry's credit variant gives them."""
     branching = bt.BranchingArgs(
         estimator=estimator,
         backbones=2,
@@ -424,7 +425,10 @@ def test_variant_credit_matches_the_bpo_learners(tmp_path, estimator):
     trees, groups = tr.grow([7])
     assert groups == [0, 0] and len(trees) == 2
     batch, _ = tr.score(trees, groups)
-    expected = bpo.prompt_advantages(trees, tr.learner_args)
+    la = tr.learner_args
+    expected = advantages.advantage(advantages.CREDITS[la.credit])(
+        trees, advantages.AdvantageOptions.of(la)
+    ).nodes
     for row in batch.rows:
         for d in row.decisions:
             assert d.advantage == expected[row.tree][d.node]

@@ -18,6 +18,7 @@ import numpy as np
 import pytest
 import torch
 
+from branchgym.agents import advantages as A
 from branchgym.agents import losses as L
 from branchgym.envs.toy import TreeMDP, TreeStructure
 from branchgym.envs.toy import theory as th
@@ -46,7 +47,7 @@ def random_policy(env, seed, concentration=2.0):
 
 def loo_variance(returns):
     """Var(A) of the leave-one-out advantage (its mean is 0): per-group mean of A^2."""
-    adv = L.rloo_advantages(torch.as_tensor(returns)).advantages.numpy()
+    adv = A.rloo_advantages(torch.as_tensor(returns)).advantages.numpy()
     return mean_se((adv**2).mean(axis=1))
 
 
@@ -134,7 +135,7 @@ def test_sibling_advantage_is_unbiased_at_a_branch_point():
     with env.snapshot() as snap:
         for i in range(n):
             returns[i], actions[i] = th.branch_siblings(env, snap, policy, k, rng)
-    loo = L.sibling_advantages(torch.as_tensor(returns)).numpy()
+    loo = A.sibling_advantages(torch.as_tensor(returns)).numpy()
     centred = returns - returns.mean(axis=1, keepdims=True)  # baseline includes itself
 
     # E[A_local(t, k) | s_t] = 0, for a fixed sibling slot (the backbone's, k = 1)
@@ -234,7 +235,7 @@ def test_bellman_gradient_identity_with_autograd(q):
     ratio = (1 - q) / (1 - p.detach())
     assert torch.allclose(lhs, ratio * glogp, rtol=1e-10, atol=1e-12)
     # eps = 0 turns bellman_po_weights into exactly this ratio
-    assert torch.isclose(L.bellman_po_weights(q, p.detach(), eps=0.0), ratio)
+    assert torch.isclose(A.bellman_po_weights(q, p.detach(), eps=0.0), ratio)
 
 
 def test_bellman_po_loss_realises_the_binary_kl_gradient():
@@ -251,7 +252,7 @@ def test_bellman_po_loss_realises_the_binary_kl_gradient():
         logp, old, rewards, eps=0.0, cap=math.inf, eps_high=math.inf, eps_low=math.inf
     )
     (got,) = torch.autograd.grad(out.loss, logits, retain_graph=True)
-    adv = L.grpo_advantages(rewards).advantages[..., None]
+    adv = A.grpo_advantages(rewards).advantages[..., None]
     p, q = logp.exp(), old.exp()
     reference = (-adv * (logp + kl_bin(q, p))).mean(-1).mean()
     (want,) = torch.autograd.grad(reference, logits)
@@ -266,7 +267,7 @@ def test_bellman_po_on_policy_is_the_plain_policy_gradient():
     rewards = torch.tensor([[1.0, 0.0, 0.0, 1.0]], dtype=torch.float64)
     out = L.bellman_po_loss(logp, logp.detach(), rewards)  # pi = mu: omega = 1, M = 1
     assert out.omega_mean == pytest.approx(1.0) and out.mask_fraction == 0
-    adv = L.grpo_advantages(rewards).advantages[..., None]
+    adv = A.grpo_advantages(rewards).advantages[..., None]
     (got,) = torch.autograd.grad(out.loss, logits, retain_graph=True)
     (want,) = torch.autograd.grad((-adv * logp).mean(-1).mean(), logits)
     assert torch.allclose(got, want)
@@ -298,7 +299,7 @@ def test_bellman_mask_and_cap_act_on_the_gradient():
     mu = torch.tensor([[[0.8], [0.1]]], dtype=torch.float64)
     logp = pi.log().requires_grad_(True)
     rewards = torch.tensor([[1.0, 0.0]], dtype=torch.float64)  # A = +-0.7071
-    omega = L.bellman_po_weights(mu, pi, 0.1)  # 1.5 and 5.0
+    omega = A.bellman_po_weights(mu, pi, 0.1)  # 1.5 and 5.0
     assert torch.allclose(omega.flatten(), torch.tensor([1.5, 5.0], dtype=torch.float64))
     out = L.bellman_po_loss(logp, mu.log(), rewards, eps_high=0.28)
     (g,) = torch.autograd.grad(out.loss, logp)

@@ -27,7 +27,7 @@ from verl.trainer.ppo.ray_trainer import compute_advantage
 from verl.trainer.ppo.reward import extract_reward
 from verl.workers.rollout.replica import TokenOutput
 
-from branchgym.agents import bpo
+from branchgym.agents import advantages, bpo
 from branchgym.agents.models import tiny_tokenizer
 from branchgym.agents.rows import Batch
 from branchgym.error import TrainingConfigError
@@ -118,7 +118,7 @@ def test_paths_masks_and_advantages_are_branchgyms():
     # every completion came from the server manager, log-probs requested
     assert len(server.requests) == len(tree.nodes)
     assert all(p["logprobs"] is True for _, _, p in server.requests)
-    adv, _, _ = bpo.tree_advantages(tree, 0.95, "last")
+    adv, _, _ = advantages.tree_advantages(tree, 0.95, "last")
     rows = {(r.leaf): r for r in Batch([tree]).rows}
     counted = 0
     for out, (path, _) in zip(outs, tree.token_masks(), strict=True):
@@ -162,12 +162,12 @@ def test_paths_masks_and_advantages_are_branchgyms():
     assert figures["branching/tokens_saved"] > 0
 
 
-def test_estimator_variant_is_prompt_advantages():
+def test_estimator_variant_is_the_registrys():
     opts = {"schedule": "even", "depth_weight": True, "tail": "zero", "lam": 0.9}
     _, _, loop, tree, _, outs = grow(**opts)
     args = bpo.Args(m=M, k=K, **opts)
-    want = bpo.prompt_advantages([tree], args)[0]
-    plain = bpo.tree_advantages(tree, 0.9, "zero")[0]
+    want = advantages.advantage("bpo")([tree], advantages.AdvantageOptions.of(args)).nodes[0]
+    plain = advantages.tree_advantages(tree, 0.9, "zero")[0]
     assert any(abs(want[i] - plain[i]) > 1e-9 for i in want)  # the variant differs
     for out, (path, masks) in zip(outs, tree.token_masks(), strict=True):
         got = np.asarray(out.extra_fields[bv.ADVANTAGES_FIELD])
