@@ -162,6 +162,7 @@ __all__ = [
     "token_weight",
 ]
 
+
 @dataclasses.dataclass
 class TrainResult:
     """What a training run produced.
@@ -216,13 +217,32 @@ class Run:
     """
 
     def __init__(self, args: TrainArgs, algo: str, *, needs_ref: bool = False) -> None:
-        """Load the model (or the checkpoint), build engine, optimizer, scheduler and logs."""
-        from branchgym.agents.engines.hf import HFEngine
-        from branchgym.agents.models import add_lora, load_model
+        """Load the model (or the checkpoint), build engine, optimizer, scheduler and logs.
 
+        The steps run in this order, each a method below: the order is part of the
+        behaviour (``torch.manual_seed`` before the model loads and LoRA draws its
+        initial weights, the checkpoint loaded once the optimizer and output folder exist).
+        """
         args.check()
         self.algo = algo
         self.args = args
+        self._place(args)
+        resume = self._read_checkpoint(args, algo)
+        self._pick_device(args)
+        self._build_model(args, sharded=bool(resume and resume.get("sharded")))
+        self._build_policy(args)
+        self._build_envs(args)
+        self._build_optimizer(args)
+        self._build_reference(args, needs_ref=needs_ref)
+        self._start_progress()
+        self._open_out_dir(args, algo, resumed=resume is not None)
+        if resume is not None:
+            self._load(Path(args.resume), resume)
+        self._open_sinks(args, algo)
+
+    # ---------------------------------------------------------------- set-up steps
+    def _place(self, args: TrainArgs) -> None:
+        """This process's data parallel place, and the settings it rules out."""
         #: Data parallel place (rank 0 of 1 unless launched by torchrun; distributed.py).
         self.dp: DataParallel = data_parallel(args.distributed, args.device)
         if self.dp.active and args.precision == "bf16":
@@ -236,6 +256,12 @@ class Run:
                 f"prompts_per_step={args.prompts_per_step} leaves some of the {self.dp.world} "
                 "data parallel ranks without a prompt; give at least one prompt per rank."
             )
+
+    def _read_checkpoint(self, args: TrainArgs, algo: str) -> dict[str, Any] | None:
+        """The state of the checkpoint ``args.resume`` names (None: a fresh run).
+
+        Checked against this run's learner and data parallel world.
+        """
         resume = load_checkpoint_state(args.resume) if args.resume else None
         sharded = bool(resume and resume.get("sharded"))
         if sharded and int(resume.get("world_size", 1)) != self.dp.world:
@@ -248,12 +274,29 @@ class Run:
                 f"{args.resume} is a {resume.get('algo')!r} checkpoint; resume it with "
                 f"--algo {resume.get('algo')} (or start {algo} from its weights with --model)."
             )
+        return resume
+
+    def _pick_device(self, args: TrainArgs) -> None:
+        """``device`` and ``bf16`` (autocast), then torch's seed.
+
+        Every weight drawn after the seed (LoRA's initial adapters) follows ``args.seed``.
+        """
         if args.device == "cuda" and not torch.cuda.is_available():
             raise TrainingConfigError("device='cuda' but torch sees no GPU; use device='cpu'.")
         use_cuda = args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available())
         self.device = torch.device("cuda" if use_cuda else "cpu")
         self.bf16 = self.device.type == "cuda" and args.precision == "auto"
         torch.manual_seed(args.seed)
+
+    def _build_model(self, args: TrainArgs, *, sharded: bool) -> None:
+        """``tokenizer``, ``engine`` and ``model``, with their precision, LoRA and engine.
+
+        The weights at ``param_dtype``, with gradient checkpointing and LoRA as asked,
+        sampling in a vLLM worker if asked.
+        """
+        from branchgym.agents.engines.hf import HFEngine
+        from branchgym.agents.models import add_lora, load_model
+
         with _quiet_transformers():
             # a sharded checkpoint holds no model folder's weights: the base model's
             # architecture, then the shards (_load)
@@ -287,9 +330,15 @@ class Run:
             from branchgym.agents.vllm_training import start_worker
 
             self.engine = start_worker(self)
+
+    def _build_policy(self, args: TrainArgs) -> None:
+        """``kind``, ``policy`` and ``behaviour`` (the policy under autocast).
+
+        Tree packing is turned off where it would change log-probs.
+        """
         why = packing_exact(self.model) if args.pack_trees else None
         if why:  # packing would change log-probs here: rows are read one by one
-            warnings.warn(f"pack_trees is off: {why}.", stacklevel=2)
+            warnings.warn(f"pack_trees is off: {why}.", stacklevel=3)
             args.pack_trees = False
         name = args.policy
         if name == "auto":
@@ -297,10 +346,16 @@ class Run:
         self.kind = POLICIES[name]
         self.policy = self.kind.make(self.engine, args)
         self.behaviour = _Autocast(self.policy, self.autocast) if self.bf16 else self.policy
+
+    def _build_envs(self, args: TrainArgs) -> None:
+        """``spec`` (the env recipe, checked by making one env) and the ``executor``."""
         self.spec = EnvRecipe(args.env_id, self._env_kwargs(args.env_kwargs))
         self._check_env()
         sized = {} if args.executor == "inprocess" else {"n_workers": args.executor_workers}
         self.executor = make_executor(args.executor, timeout=args.timeout, **sized)
+
+    def _build_optimizer(self, args: TrainArgs) -> None:
+        """``masters`` (precision=bf16), the AdamW ``optimizer`` and its LR ``scheduler``."""
         params = [p for p in self.model.parameters() if p.requires_grad]
         self.masters = MasterWeights(params) if args.precision == "bf16" else None
         if self.masters is not None:
@@ -317,10 +372,16 @@ class Run:
             return fn(step - warm, max(total - warm, 1))
 
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, multiplier)
+
+    def _build_reference(self, args: TrainArgs, *, needs_ref: bool) -> None:
+        """``ref``: the frozen initial model a KL term compares to (None without one)."""
         self.ref = None
         if needs_ref:
             # with LoRA the reference is the base model, adapters off (frozen_logprobs)
             self.ref = self.model if args.lora_rank else self._frozen_copy(self.model)
+
+    def _start_progress(self) -> None:
+        """Step 0 and empty history: what a resumed checkpoint (_load) then overwrites."""
         self.step = 0
         self.grad_norm = RunningStats()
         self.history: list[dict[str, float]] = []
@@ -330,6 +391,13 @@ class Run:
         self._pending: dict[str, float] = {}
         self._step_batch: Batch | None = None  # the step's rollout batch (save_trees)
         self._t0 = time.perf_counter()
+
+    def _open_out_dir(self, args: TrainArgs, algo: str, *, resumed: bool) -> None:
+        """``out_dir``, checked writable.
+
+        A fresh run refuses (or, with overwrite, clears) a folder that already holds a
+        run's metrics.
+        """
         env_name = args.env_id.split("/")[-1]
         self.out_dir = Path(args.out_dir or f"runs/{algo}-{env_name}-{args.seed}")
         try:
@@ -343,7 +411,7 @@ class Run:
                 "give a folder path this user can write."
             ) from exc
         metrics_file = self.out_dir / "metrics.jsonl"
-        if resume is None and metrics_file.is_file() and metrics_file.stat().st_size:
+        if not resumed and metrics_file.is_file() and metrics_file.stat().st_size:
             if not args.overwrite:
                 raise TrainingConfigError(
                     f"{self.out_dir} already holds a run (metrics.jsonl); choose another "
@@ -353,8 +421,12 @@ class Run:
                 metrics_file.unlink(missing_ok=True)
                 self._drop_trees_after(0)
         self.dp.barrier()  # no rank reads the folder while rank 0 clears it
-        if resume is not None:
-            self._load(Path(args.resume), resume)
+
+    def _open_sinks(self, args: TrainArgs, algo: str) -> None:
+        """``args.json`` and the metric sinks, on rank 0 alone.
+
+        The sinks start at ``self.step``: > 0 when resumed.
+        """
         self._metrics: Sinks | None = None  # rank 0 alone writes the run's files
         if self.dp.is_main:
             hparams = {"algo": algo, **dataclasses.asdict(args)}

@@ -25,6 +25,9 @@ the same tokens whether it is decoded alone or in a batch, and its log-probs and
 entropies agree to float tolerance (the padded batch only changes summation order).
 
 Runs on CPU (float32) here and on CUDA with bfloat16 when a GPU is present.
+
+The module is over 600 lines because prefill, the prefix LRU, both sampling paths (one
+decode loop, :meth:`HFEngine._decode`) and scoring share one KV cache layout.
 """
 
 from __future__ import annotations
@@ -33,7 +36,7 @@ import collections
 import copy
 import dataclasses
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
@@ -80,6 +83,36 @@ def _stats(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor, to
     top = top - torch.logsumexp(top, dim=-1, keepdim=True)
     ent_k = -(top.exp() * top).sum(-1)
     return lp, ent, ent_k
+
+
+@dataclasses.dataclass
+class _Decoded:
+    """What the decode loop sampled, per batch row: tokens, their stats, stopped or not."""
+
+    toks: list[list[int]]
+    lps: list[list[float]]
+    ents: list[list[float]]
+    entk: list[list[float]]
+    done: list[bool]
+
+    @classmethod
+    def empty(cls, rows: int) -> _Decoded:
+        """``rows`` rows with nothing sampled yet."""
+        return cls(*([[] for _ in range(rows)] for _ in range(4)), [False] * rows)
+
+    def generation(
+        self, r: int, prefix: list[int], pre: tuple[list[float], list[float], list[float]]
+    ) -> Generation:
+        """Row ``r`` as a :class:`Generation`, after its forced ``prefix`` and its stats."""
+        pre_lp, pre_ent, pre_k = pre
+        return Generation(
+            token_ids=np.asarray(prefix + self.toks[r], dtype=np.int64),
+            logprobs=np.asarray(pre_lp + self.lps[r], dtype=np.float32),
+            entropies=np.asarray(pre_ent + self.ents[r], dtype=np.float32),
+            entropies_top20=np.asarray(pre_k + self.entk[r], dtype=np.float32),
+            prefix_len=len(prefix),
+            finish_reason="stop" if self.done[r] else "length",
+        )
 
 
 class HFEngine:
@@ -427,44 +460,21 @@ class HFEngine:
             )
             self.stats["prefill_tokens"] += n * len(ctx)
             rows = logits[0, len(prompt) - 1 :]
-        pre_lp, pre_ent, pre_k = self._prefix_stats(prefix, rows)
-        logits = rows[-1:].expand(n, -1)
-        toks: list[list[int]] = [[] for _ in range(n)]
-        lps: list[list[float]] = [[] for _ in range(n)]
-        ents: list[list[float]] = [[] for _ in range(n)]
-        entk: list[list[float]] = [[] for _ in range(n)]
-        done = [False] * n
-        stops = set(self.stop_token_ids)
-        for _ in range(limit):
-            lp, ent, ent_k = _stats(logits, self.topk)
-            # reproducible from `gen`
-            nxt = self._gumbel(lp, torch.rand(lp.shape, generator=gen, device=lp.device))
-            chosen = lp.gather(-1, nxt[:, None])[:, 0]
-            nxt_l, ch_l, ent_l, entk_l = nxt.tolist(), chosen.tolist(), ent.tolist(), ent_k.tolist()
-            for i in range(n):
-                if done[i]:
-                    continue
-                toks[i].append(nxt_l[i])
-                lps[i].append(ch_l[i])
-                ents[i].append(ent_l[i])
-                entk[i].append(entk_l[i])
-                done[i] = nxt_l[i] in stops
-            self.stats["decode_steps"] += 1
-            if all(done):
-                break
+        pre = self._prefix_stats(prefix, rows)
+
+        def noise(lp: torch.Tensor, active: list[int]) -> torch.Tensor:
+            # reproducible from `gen`; the batch keeps all n rows, stopped ones too
+            return torch.rand(lp.shape, generator=gen, device=lp.device)
+
+        def advance(
+            nxt: torch.Tensor, active: list[int], keep: list[int]
+        ) -> tuple[torch.Tensor, list[int]]:
+            nonlocal cache
             logits, cache = self._forward(nxt[:, None], cache)
-            logits = logits[:, -1]
-        return [
-            Generation(
-                token_ids=np.asarray(prefix + toks[i], dtype=np.int64),
-                logprobs=np.asarray(pre_lp + lps[i], dtype=np.float32),
-                entropies=np.asarray(pre_ent + ents[i], dtype=np.float32),
-                entropies_top20=np.asarray(pre_k + entk[i], dtype=np.float32),
-                prefix_len=len(prefix),
-                finish_reason="stop" if done[i] else "length",
-            )
-            for i in range(n)
-        ]
+            return logits[:, -1], active
+
+        dec = self._decode(rows[-1:].expand(n, -1), n, limit, noise, advance)
+        return [dec.generation(i, prefix, pre) for i in range(n)]
 
     def _sample_batch(
         self, jobs: Sequence[tuple[list[int], list[int], int, torch.Generator]], limit: int
@@ -477,7 +487,8 @@ class HFEngine:
         pass over the live rows with an attention mask that hides the padding and each
         row's own positions. Job j draws
         its noise ``(n_j, V)`` from its own generator at every step until all its rows
-        stop, exactly as :meth:`_sample` does, so both paths sample the same tokens.
+        stop, exactly as :meth:`_sample` does, so both paths sample the same tokens (both
+        decode in :meth:`_decode`).
         """
         from transformers import DynamicCache
 
@@ -516,38 +527,22 @@ class HFEngine:
         logits = torch.cat(
             [rows[-1:].expand(k, -1) for (_, rows), k in zip(opened, counts, strict=True)]
         )
-        toks: list[list[int]] = [[] for _ in range(total)]
-        lps: list[list[float]] = [[] for _ in range(total)]
-        ents: list[list[float]] = [[] for _ in range(total)]
-        entk: list[list[float]] = [[] for _ in range(total)]
-        done = [False] * total
-        left = list(counts)  # rows of each job still sampling
-        active = list(range(total))  # global rows in the batch, in job order
-        stops = set(self.stop_token_ids)
-        for step in range(limit):
-            lp, ent, ent_k = _stats(logits, self.topk)
-            noise = []
+
+        def noise(lp: torch.Tensor, active: list[int]) -> torch.Tensor:
+            # job j draws (n_j, V) from its own generator while any of its rows samples
+            parts = []
             for j, (_, _, k, gen) in enumerate(jobs):
-                if left[j] == 0:
+                here = [r - first[j] for r in active if owner[r] == j]
+                if not here:
                     continue
                 u = torch.rand((k, lp.shape[-1]), generator=gen, device=lp.device)
-                here = [r - first[j] for r in active if owner[r] == j]
-                noise.append(u if len(here) == k else u[here])
-            nxt = self._gumbel(lp, torch.cat(noise))
-            chosen = lp.gather(-1, nxt[:, None])[:, 0]
-            nxt_l, ch_l, ent_l, entk_l = nxt.tolist(), chosen.tolist(), ent.tolist(), ent_k.tolist()
-            for i, r in enumerate(active):
-                toks[r].append(nxt_l[i])
-                lps[r].append(ch_l[i])
-                ents[r].append(ent_l[i])
-                entk[r].append(entk_l[i])
-                if nxt_l[i] in stops:
-                    done[r] = True
-                    left[owner[r]] -= 1
-            self.stats["decode_steps"] += 1
-            keep = [i for i, r in enumerate(active) if not done[r]]
-            if not keep or step == limit - 1:
-                break
+                parts.append(u if len(here) == k else u[here])
+            return torch.cat(parts)
+
+        def advance(
+            nxt: torch.Tensor, active: list[int], keep: list[int]
+        ) -> tuple[torch.Tensor, list[int]]:
+            nonlocal cache, mask, pos
             if len(keep) < len(active):  # stopped rows leave the batch
                 idx = torch.tensor(keep, device=dev)
                 cache.batch_select_indices(idx)
@@ -561,27 +556,56 @@ class HFEngine:
                 past_key_values=cache,
                 use_cache=True,
             )
-            cache, logits = out.past_key_values, out.logits[:, -1]
-            pos = pos + 1
-        results: list[list[Generation]] = []
-        for j, ((_, prefix, k, _), (pre_lp, pre_ent, pre_k)) in enumerate(
-            zip(jobs, pre, strict=True)
-        ):
-            rows_j = range(first[j], first[j] + k)
-            results.append(
-                [
-                    Generation(
-                        token_ids=np.asarray(prefix + toks[r], dtype=np.int64),
-                        logprobs=np.asarray(pre_lp + lps[r], dtype=np.float32),
-                        entropies=np.asarray(pre_ent + ents[r], dtype=np.float32),
-                        entropies_top20=np.asarray(pre_k + entk[r], dtype=np.float32),
-                        prefix_len=len(prefix),
-                        finish_reason="stop" if done[r] else "length",
-                    )
-                    for r in rows_j
-                ]
-            )
-        return results
+            cache, pos = out.past_key_values, pos + 1
+            return out.logits[:, -1], active
+
+        dec = self._decode(logits, total, limit, noise, advance)
+        return [
+            [dec.generation(r, prefix, pre_j) for r in range(first[j], first[j] + k)]
+            for j, ((_, prefix, k, _), pre_j) in enumerate(zip(jobs, pre, strict=True))
+        ]
+
+    def _decode(
+        self,
+        logits: torch.Tensor,
+        rows: int,
+        limit: int,
+        noise: Callable[[torch.Tensor, list[int]], torch.Tensor],
+        advance: Callable[[torch.Tensor, list[int], list[int]], tuple[torch.Tensor, list[int]]],
+    ) -> _Decoded:
+        """The decode loop of both sampling paths: up to ``limit`` tokens for ``rows`` rows.
+
+        ``logits`` hold one row per batch row, predicting its first new token. Every
+        step takes the stats of each row the batch holds (``active``, global rows in
+        order), samples by Gumbel-max from ``noise(lp, active)`` (uniforms of those
+        rows), and records the rows not yet stopped, checking the stop tokens. Then
+        ``advance(next_tokens, active, keep)`` (``keep``: positions in ``active`` of the
+        rows still sampling) runs the next forward pass and gives its logits and the
+        rows the batch now holds: :meth:`_sample` keeps stopped rows in its batch,
+        :meth:`_sample_batch` drops them.
+        """
+        dec = _Decoded.empty(rows)
+        active = list(range(rows))
+        stops = set(self.stop_token_ids)
+        for step in range(limit):
+            lp, ent, ent_k = _stats(logits, self.topk)
+            nxt = self._gumbel(lp, noise(lp, active))
+            chosen = lp.gather(-1, nxt[:, None])[:, 0]
+            nxt_l, ch_l, ent_l, entk_l = nxt.tolist(), chosen.tolist(), ent.tolist(), ent_k.tolist()
+            for i, r in enumerate(active):
+                if dec.done[r]:  # stopped, still in the batch
+                    continue
+                dec.toks[r].append(nxt_l[i])
+                dec.lps[r].append(ch_l[i])
+                dec.ents[r].append(ent_l[i])
+                dec.entk[r].append(entk_l[i])
+                dec.done[r] = nxt_l[i] in stops
+            self.stats["decode_steps"] += 1
+            keep = [i for i, r in enumerate(active) if not dec.done[r]]
+            if not keep or step == limit - 1:
+                break
+            logits, active = advance(nxt, active, keep)
+        return dec
 
     # ------------------------------------------------------------------ scoring
     @torch.inference_mode()
