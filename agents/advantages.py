@@ -25,7 +25,7 @@ is :func:`propagate_advantages` along one owning path. Bad input raises
 Learners pick an entry with :func:`advantage` (unknown names raise
 :class:`~branchgym.error.TrainingConfigError` listing the known ones) or
 :func:`per_prompt`, which calls it on each prompt's trees of a batch. The estimator study
-(:mod:`branchgym.estimators`) keeps a vectorised numpy path; ``tests/agents/
+(:mod:`branchgym.envs.toy.estimators`) keeps a vectorised numpy path; ``tests/agents/
 test_advantages.py`` and ``tests/bench/test_estimator*.py`` pin it to these entries.
 
 Why this module is over 600 lines: it is the one home of every estimator (issue 30);

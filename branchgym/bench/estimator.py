@@ -1,7 +1,7 @@
 """``branchgym bench estimator``: Branching PO and its variants as gradient estimators.
 
 On TreeMDP mazes with a tabular softmax policy the exact policy gradient is known
-(:func:`branchgym.estimators.exact_gradient`), on fixed-length mazes and on variable-length
+(:func:`branchgym.envs.toy.estimators.exact_gradient`), on fixed-length mazes and on variable-length
 ones where an action or the env ends episodes early. For each maze and policy stage (uniform,
 mid and late snapshots of exact ascent) this study draws every estimator many times
 (vectorised numpy, straight from the tree's arrays) and reports
@@ -25,7 +25,7 @@ docs/estimators.md derives the variants; the study measures and prints, it asser
 
 The module is over 600 lines because the study is one pipeline (mazes, policy stages,
 every estimator, the cost columns, the training phase, the report): its parts share the
-same arrays and tables, and the estimators themselves live in ``branchgym/estimators.py``.
+same arrays and tables, and the estimators themselves live in ``branchgym/envs/toy/estimators.py``.
 """
 
 from __future__ import annotations
@@ -40,9 +40,9 @@ from typing import Any
 import numpy as np
 from tqdm import tqdm
 
-from branchgym import estimators as est
 from branchgym.bench.common import Report, positive_int, seed_int
 from branchgym.bench.runs import STUDY_MAZE
+from branchgym.envs.toy import estimators as est
 from branchgym.envs.toy import theory as th
 from branchgym.envs.toy.tree_mdp import TreeStructure
 from branchgym.error import OptionError

@@ -1,6 +1,6 @@
 """The advantage estimators: the tensor functions by hand, and the registry pinned to the study.
 
-The study (``branchgym.estimators``) samples trajectories straight from the TreeMDP's
+The study (``branchgym.envs.toy.estimators``) samples trajectories straight from the TreeMDP's
 arrays, vectorised over many draws, and computes each estimator's credit in numpy. Here
 the registry's entries run on real ``RolloutTree``s grown by the engine (``grow_tree`` /
 ``group_rollouts`` with a tabular policy) on the same TreeMDP and policy, and their
@@ -24,10 +24,10 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from branchgym import estimators as est  # noqa: E402
 from branchgym.agents import advantages  # noqa: E402
 from branchgym.agents.policy import TabularPolicy  # noqa: E402
 from branchgym.envs.toy import TreeStructure  # noqa: E402
+from branchgym.envs.toy import estimators as est  # noqa: E402
 from branchgym.error import LossInputError, TrainingConfigError  # noqa: E402
 from branchgym.rollout.executors import EnvRecipe  # noqa: E402
 from branchgym.rollout.grow import group_rollouts, grow_tree  # noqa: E402

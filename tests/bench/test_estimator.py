@@ -5,9 +5,9 @@ import json
 import numpy as np
 import pytest
 
-from branchgym import estimators as est
 from branchgym.bench.estimator import ESTIMATORS
 from branchgym.envs.toy import TreeStructure
+from branchgym.envs.toy import estimators as est
 
 STUDY = {"depth": 4, "n_actions": 3, "reward_kind": "bernoulli", "seed": 2}
 LONG = {"depth": 7, "n_actions": 3, "transition_noise": 0.6, "reward_kind": "bernoulli", "seed": 2}

@@ -11,8 +11,8 @@ import itertools
 import numpy as np
 import pytest
 
-from branchgym import estimators as est
 from branchgym.envs.toy import TreeMDP, TreeStructure
+from branchgym.envs.toy import estimators as est
 from branchgym.envs.toy import theory as th
 
 #: The two kinds of variable length: an action that ends the episode, and the env ending
