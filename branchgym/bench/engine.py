@@ -29,6 +29,14 @@ branch points of K siblings, an ``LLMPolicy`` on the HF engine) grown two ways:
 
 It prints generated tokens/s and env steps/s of both and the speed-up, and checks that
 both grew the same trees (same tokens).
+
+The engine's overhead (issue 29, section ``overhead``): P prompts x n samples of exactly
+``--new-tokens`` tokens (stops disabled) decoded by ``HFEngine.generate`` in one padded
+batch, without prefix reuse (the same computation as Transformers' own loop) and with it,
+against ``model.generate`` (sampling, temperature 1, no top-k/top-p, ``min_new_tokens`` =
+``max_new_tokens``) on the same left-padded batch, interleaved in each repetition. The
+ratio engine / ``generate`` at equal work is what the engine's own per-token work costs
+(its log-probs and entropies, per-row stop bookkeeping, Python per step).
 """
 
 from __future__ import annotations
@@ -50,7 +58,7 @@ from branchgym.bench.common import Report, Timing
 __all__ = ["configure", "main", "SECTIONS"]
 
 #: The study's sections (``--sections``).
-SECTIONS = ("prefix", "rollouts")
+SECTIONS = ("prefix", "rollouts", "overhead")
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 
@@ -87,8 +95,20 @@ def configure(parser: argparse.ArgumentParser) -> None:
         nargs="*",
         choices=SECTIONS,
         default=list(SECTIONS),
-        help="prefix (sibling generation at a shared prefix) and/or rollouts (batched vs "
-        "serial trees); default both",
+        help="prefix (sibling generation at a shared prefix), rollouts (batched vs "
+        "serial trees), overhead (the engine against model.generate); default all",
+    )
+    parser.add_argument(
+        "--overhead-prompts", type=int, default=8, help="prompts P of the overhead section (8)"
+    )
+    parser.add_argument(
+        "--overhead-samples", type=int, default=4, help="samples per prompt there (4)"
+    )
+    parser.add_argument(
+        "--overhead-prompt-tokens",
+        type=int,
+        default=120,
+        help="longest prompt there, in tokens (120; the others are 50-100 %% of it)",
     )
     parser.add_argument(
         "--rollout-model", default="tiny", help="model of the rollouts section (default tiny)"
@@ -224,6 +244,99 @@ def _vllm_rows(args: argparse.Namespace, model: Any, tok: Any, name: str) -> lis
                 ]
             )
     return rows
+
+
+def _overhead_rows(args: argparse.Namespace, report: Report) -> None:
+    """HFEngine's batched decoding against ``model.generate`` on the same batch."""
+    import torch
+
+    from branchgym.agents.engines.hf import HFEngine
+
+    model, tok, name = _model(args.model)
+    new = args.new_tokens
+    eng = HFEngine(model, tok, max_new_tokens=new, stop_token_ids=[], threads=args.threads)
+    rng = np.random.default_rng(1)
+    vocab = len(tok)
+    top = max(2, args.overhead_prompt_tokens)
+    lengths = [int(x) for x in rng.integers(top // 2, top + 1, size=args.overhead_prompts)]
+    prompts = [rng.integers(10, vocab - 10, size=n).tolist() for n in lengths]
+    n = args.overhead_samples
+    pad = tok.pad_token_id if tok.pad_token_id is not None else 0
+    width = max(lengths)
+    rows = [p for p in prompts for _ in range(n)]
+    ids = torch.tensor([[pad] * (width - len(r)) + r for r in rows])
+    mask = torch.tensor([[0] * (width - len(r)) + [1] * len(r) for r in rows])
+    device = next(model.parameters()).device
+    ids, mask = ids.to(device), mask.to(device)
+
+    def engine(reuse: bool):
+        return lambda rep: eng.generate(
+            prompts, n, seed=rep, reuse_prefix=reuse, batch_prompts=True
+        )
+
+    def plain(rep: int):
+        torch.manual_seed(rep)
+        with torch.no_grad():
+            return model.generate(
+                input_ids=ids,
+                attention_mask=mask,
+                do_sample=True,
+                temperature=1.0,
+                top_k=0,
+                top_p=1.0,
+                max_new_tokens=new,
+                min_new_tokens=new,
+                pad_token_id=pad,
+            )
+
+    methods = {"model.generate": plain, "engine": engine(False), "engine + reuse": engine(True)}
+    for f in methods.values():  # warm-up
+        f(0)
+    times: dict[str, list[float]] = {m: [] for m in methods}
+    order = list(methods)
+    for rep in tqdm(range(args.repeats), desc=f"engine bench: overhead {name}"):
+        for m in order[rep % 3 :] + order[: rep % 3]:
+            eng.clear_cache()
+            t0 = time.perf_counter()
+            out = methods[m](rep)
+            times[m].append(time.perf_counter() - t0)
+            made = (
+                [out.shape[1] - width]
+                if m == "model.generate"
+                else [len(g.token_ids) for gs in out for g in gs]
+            )
+            if set(made) != {new}:  # equal work, or the ratio means nothing
+                raise RuntimeError(f"{m} generated {sorted(set(made))} tokens, not {new}")
+    tm = {m: Timing.of(v) for m, v in times.items()}
+    base = tm["model.generate"].median_ms
+    table = []
+    for m, t in tm.items():
+        table.append(
+            [
+                m,
+                f"{t.median_ms:.0f}",
+                f"{len(rows) * new / (t.median_ms / 1000):.1f}",
+                f"{t.median_ms / base:.2f}x",
+            ]
+        )
+    report.add(
+        f"## The engine against model.generate\n\nHF {name}, {args.overhead_prompts} prompts "
+        f"of {min(lengths)}-{max(lengths)} tokens x {n} samples, {new} new tokens each (stops "
+        f"off), one left-padded batch of {len(rows)} rows; median of {args.repeats} "
+        "repetitions, interleaved. *engine*: HFEngine without prefix reuse (every row "
+        "prefills its prompt, as `generate` does); *engine + reuse*: each prompt prefilled "
+        "once and its KV cache repeated over its samples. The engine also computes every "
+        "sampled token's log-prob and entropy, which `generate` does not."
+    )
+    print(report.table(["decoder", "ms", "generated tok/s", "time / model.generate"], table))
+    report.data["overhead"] = {
+        "model": name,
+        "device": str(device),
+        "prompt_tokens": lengths,
+        "samples": n,
+        "new_tokens": new,
+        "timings": {m: t.__dict__ for m, t in tm.items()},
+    }
 
 
 def _rollout_rows(args: argparse.Namespace, report: Report) -> list:
@@ -366,6 +479,11 @@ def main(args: argparse.Namespace) -> int:
     report = Report(args.out, "engine", "branchgym bench engine")
     if "rollouts" in args.sections:
         _rollout_rows(args, report)
+    if "overhead" in args.sections:
+        if args.quick:
+            args.overhead_prompts, args.overhead_samples = 2, 2
+            args.overhead_prompt_tokens = min(args.overhead_prompt_tokens, 32)
+        _overhead_rows(args, report)
     if "prefix" not in args.sections:
         path = report.save()
         print(f"\nreport: {path}")

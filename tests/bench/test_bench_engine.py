@@ -88,3 +88,27 @@ def test_branching_study_runs(tmp_path, capsys):
     assert replay["snapshots_taken"] < snap["snapshots_taken"] and replay["replay_steps"] > 0
     assert (tmp_path / "branching_overview.png").exists()
     assert "tokens saved" in capsys.readouterr().out
+
+
+def test_engine_study_measures_its_overhead_against_model_generate(tmp_path, capsys):
+    rc = main(
+        [
+            "bench",
+            "engine",
+            "--model",
+            "tiny",
+            "--sections",
+            "overhead",
+            "--quick",
+            "--new-tokens",
+            "3",
+            "--out",
+            str(tmp_path),
+        ]
+    )
+    assert rc == 0
+    data = json.loads((tmp_path / "engine.json").read_text())["overhead"]
+    assert set(data["timings"]) == {"model.generate", "engine", "engine + reuse"}
+    assert len(data["prompt_tokens"]) == 2 and data["samples"] == 2 and data["new_tokens"] == 3
+    assert all(t["median_ms"] > 0 for t in data["timings"].values())
+    assert "time / model.generate" in capsys.readouterr().out
