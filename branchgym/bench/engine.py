@@ -31,12 +31,12 @@ It prints generated tokens/s and env steps/s of both and the speed-up, and check
 both grew the same trees (same tokens).
 
 The engine's overhead (issue 29, section ``overhead``): P prompts x n samples of exactly
-``--new-tokens`` tokens (stops disabled) decoded by ``HFEngine.generate`` in one padded
-batch, without prefix reuse (the same computation as Transformers' own loop) and with it,
-against ``model.generate`` (sampling, temperature 1, no top-k/top-p, ``min_new_tokens`` =
-``max_new_tokens``) on the same left-padded batch, interleaved in each repetition. The
-ratio engine / ``generate`` at equal work is what the engine's own per-token work costs
-(its log-probs and entropies, per-row stop bookkeeping, Python per step).
+``--new-tokens`` tokens (stops disabled) decoded by ``HFEngine.generate`` (its batched
+prefix-reuse path, and with reuse off) against ``model.generate`` (sampling, temperature
+1, no top-k/top-p, ``min_new_tokens`` = ``max_new_tokens``) on the same rows, each timed
+at 1 new token (the prefill) and at ``--new-tokens``, interleaved in each repetition: the
+difference per step is the cost of one decoding step of all rows, where the engine's own
+per-token work (log-probs, entropies, per-row stop bookkeeping, Python) would show.
 """
 
 from __future__ import annotations
@@ -247,13 +247,13 @@ def _vllm_rows(args: argparse.Namespace, model: Any, tok: Any, name: str) -> lis
 
 
 def _overhead_rows(args: argparse.Namespace, report: Report) -> None:
-    """HFEngine's batched decoding against ``model.generate`` on the same batch."""
+    """HFEngine's decoding against ``model.generate`` on the same batch."""
     import torch
 
     from branchgym.agents.engines.hf import HFEngine
 
     model, tok, name = _model(args.model)
-    new = args.new_tokens
+    new = max(2, args.new_tokens)
     eng = HFEngine(model, tok, max_new_tokens=new, stop_token_ids=[], threads=args.threads)
     rng = np.random.default_rng(1)
     vocab = len(tok)
@@ -270,72 +270,104 @@ def _overhead_rows(args: argparse.Namespace, report: Report) -> None:
     ids, mask = ids.to(device), mask.to(device)
 
     def engine(reuse: bool):
-        return lambda rep: eng.generate(
-            prompts, n, seed=rep, reuse_prefix=reuse, batch_prompts=True
-        )
+        def run(rep: int, k: int) -> list[int]:
+            out = eng.generate(
+                prompts, n, seed=rep, reuse_prefix=reuse, batch_prompts=True, max_new_tokens=k
+            )
+            return [len(g.token_ids) for gs in out for g in gs]
 
-    def plain(rep: int):
+        return run
+
+    def plain(rep: int, k: int) -> list[int]:
         torch.manual_seed(rep)
         with torch.no_grad():
-            return model.generate(
+            out = model.generate(
                 input_ids=ids,
                 attention_mask=mask,
                 do_sample=True,
                 temperature=1.0,
                 top_k=0,
                 top_p=1.0,
-                max_new_tokens=new,
-                min_new_tokens=new,
+                max_new_tokens=k,
+                min_new_tokens=k,
                 pad_token_id=pad,
             )
+        return [out.shape[1] - width]
 
-    methods = {"model.generate": plain, "engine": engine(False), "engine + reuse": engine(True)}
+    methods = {
+        "model.generate": plain,
+        "engine, batched (prefix reuse)": engine(True),
+        "engine, reuse off": engine(False),
+    }
     for f in methods.values():  # warm-up
-        f(0)
-    times: dict[str, list[float]] = {m: [] for m in methods}
+        f(0, 2)
+    times: dict[tuple[str, int], list[float]] = {(m, k): [] for m in methods for k in (1, new)}
     order = list(methods)
     for rep in tqdm(range(args.repeats), desc=f"engine bench: overhead {name}"):
         for m in order[rep % 3 :] + order[: rep % 3]:
-            eng.clear_cache()
-            t0 = time.perf_counter()
-            out = methods[m](rep)
-            times[m].append(time.perf_counter() - t0)
-            made = (
-                [out.shape[1] - width]
-                if m == "model.generate"
-                else [len(g.token_ids) for gs in out for g in gs]
-            )
-            if set(made) != {new}:  # equal work, or the ratio means nothing
-                raise RuntimeError(f"{m} generated {sorted(set(made))} tokens, not {new}")
-    tm = {m: Timing.of(v) for m, v in times.items()}
-    base = tm["model.generate"].median_ms
+            for k in (1, new):
+                eng.clear_cache()
+                t0 = time.perf_counter()
+                made = methods[m](rep, k)
+                times[(m, k)].append(time.perf_counter() - t0)
+                if set(made) != {k}:  # equal work, or the ratios mean nothing
+                    raise RuntimeError(f"{m} generated {sorted(set(made))} tokens, not {k}")
+    tm = {key: Timing.of(v) for key, v in times.items()}
+
+    def decode(m: str) -> float:  # ms per decoding step of all rows
+        return (tm[(m, new)].median_ms - tm[(m, 1)].median_ms) / (new - 1)
+
+    base, base_step = tm[("model.generate", new)].median_ms, decode("model.generate")
     table = []
-    for m, t in tm.items():
+    for m in methods:
+        t = tm[(m, new)]
         table.append(
             [
                 m,
                 f"{t.median_ms:.0f}",
                 f"{len(rows) * new / (t.median_ms / 1000):.1f}",
                 f"{t.median_ms / base:.2f}x",
+                f"{tm[(m, 1)].median_ms:.0f}",
+                f"{decode(m):.1f}",
+                f"{decode(m) / base_step:.2f}x" if base_step > 0 else "n/a",
             ]
         )
     report.add(
         f"## The engine against model.generate\n\nHF {name}, {args.overhead_prompts} prompts "
         f"of {min(lengths)}-{max(lengths)} tokens x {n} samples, {new} new tokens each (stops "
-        f"off), one left-padded batch of {len(rows)} rows; median of {args.repeats} "
-        "repetitions, interleaved. *engine*: HFEngine without prefix reuse (every row "
-        "prefills its prompt, as `generate` does); *engine + reuse*: each prompt prefilled "
-        "once and its KV cache repeated over its samples. The engine also computes every "
-        "sampled token's log-prob and entropy, which `generate` does not."
+        f"off), {len(rows)} rows; median of {args.repeats} repetitions, interleaved. "
+        "*model.generate*: one left-padded batch of every row. *engine, batched*: HFEngine's "
+        "default path, each prompt prefilled once, its KV cache repeated over its samples "
+        "and every row decoded in one left-padded batch. *engine, reuse off*: every row "
+        "prefills its own prompt, and the engine then decodes one prompt at a time (its "
+        "batched path is the prefix-reuse path). *1 token* is the time of a call that "
+        "generates one token (the prefill); *decode per step* = (the full call - the 1-token "
+        "call) / (new tokens - 1): the cost of one decoding step of all rows, which is where "
+        "the engine's own per-token work (log-probs, entropies, per-row stops, Python) shows."
     )
-    print(report.table(["decoder", "ms", "generated tok/s", "time / model.generate"], table))
+    print(
+        report.table(
+            [
+                "decoder",
+                "ms",
+                "generated tok/s",
+                "time / model.generate",
+                "1 token ms",
+                "decode ms/step",
+                "decode / model.generate",
+            ],
+            table,
+        )
+    )
     report.data["overhead"] = {
         "model": name,
         "device": str(device),
         "prompt_tokens": lengths,
         "samples": n,
         "new_tokens": new,
-        "timings": {m: t.__dict__ for m, t in tm.items()},
+        "timings": {m: tm[(m, new)].__dict__ for m in methods},
+        "one_token": {m: tm[(m, 1)].__dict__ for m in methods},
+        "decode_ms_per_step": {m: decode(m) for m in methods},
     }
 
 

@@ -108,7 +108,9 @@ def test_engine_study_measures_its_overhead_against_model_generate(tmp_path, cap
     )
     assert rc == 0
     data = json.loads((tmp_path / "engine.json").read_text())["overhead"]
-    assert set(data["timings"]) == {"model.generate", "engine", "engine + reuse"}
+    methods = {"model.generate", "engine, batched (prefix reuse)", "engine, reuse off"}
+    assert set(data["timings"]) == set(data["one_token"]) == methods
+    assert set(data["decode_ms_per_step"]) == methods
     assert len(data["prompt_tokens"]) == 2 and data["samples"] == 2 and data["new_tokens"] == 3
     assert all(t["median_ms"] > 0 for t in data["timings"].values())
     assert "time / model.generate" in capsys.readouterr().out
