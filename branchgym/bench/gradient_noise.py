@@ -390,11 +390,12 @@ def main(args: argparse.Namespace) -> int:
     import matplotlib.pyplot as plt
 
     env_id = getattr(args, "env", TEXT_MAZE)
+    maze_text = getattr(args, "maze", "")
     if args.quick:
         args.batches, args.prompts = min(args.batches, 6), min(args.prompts, 2)
     if env_id == TEXT_MAZE:
-        maze = {**(CI_MAZE if args.quick else STUDY_MAZE), **_maze_options(args.maze)}
-    elif getattr(args, "maze", ""):
+        maze = {**(CI_MAZE if args.quick else STUDY_MAZE), **_maze_options(maze_text)}
+    elif maze_text:
         raise OptionError(
             f"--maze sets TextTreeMDP's options and --env is {env_id}; give that env's "
             "options with --env-kwargs KEY=VALUE,..."

@@ -151,9 +151,13 @@ def resolve_python_env(spec: str | Mapping[str, str] | None, task: SWEBenchTask)
     return sys.executable
 
 
+def _is_interpreter(path: str) -> bool:
+    return os.path.isfile(path) and os.access(path, os.X_OK)
+
+
 def _check_python(path: str | os.PathLike[str]) -> str:
     path = os.fspath(path)
-    if not (os.path.isfile(path) and os.access(path, os.X_OK)):
+    if not _is_interpreter(path):
         raise SandboxConfigError(
             f"python_env names {path!r}, which is not an executable interpreter; give the "
             "path of a python binary (e.g. /opt/conda/envs/name/bin/python)"
@@ -188,13 +192,13 @@ def _prefixes(python: str) -> tuple[str, ...]:
 
 
 def _key(task: SWEBenchTask, base_python: str) -> str:
+    # ``base_python`` is absolute (repo_environment makes it so).
     # The interpreter's own path, not its real path: every venv made from one python
     # resolves to that python's binary, yet each has its own site-packages, which the
     # environment's .pth adds. Keyed by the real path, a second venv (a fresh clone's, a
     # CI checkout's) met the first one's environment and ran its tests on packages that
     # were not its own, or on none once that venv was deleted.
-    interpreter = os.path.normpath(os.path.abspath(base_python))
-    blob = json.dumps([FORMAT_VERSION, task.repo, task.version, interpreter])
+    blob = json.dumps([FORMAT_VERSION, task.repo, task.version, base_python])
     name = re.sub(r"[^A-Za-z0-9_.-]", "_", f"{task.repo.replace('/', '__')}-{task.version}")
     return f"{name}-{hashlib.sha256(blob.encode()).hexdigest()[:12]}"
 
@@ -261,7 +265,7 @@ def _stale(meta: Path) -> bool:
     except (OSError, ValueError):
         return True
     python = data.get("base_python")
-    if not (isinstance(python, str) and os.path.isfile(python) and os.access(python, os.X_OK)):
+    if not (isinstance(python, str) and _is_interpreter(python)):
         return True
     return not all(os.path.isdir(s) for s in data.get("sites", ()))
 
