@@ -391,6 +391,7 @@ class Run:
         self._pending: dict[str, float] = {}
         self._step_batch: Batch | None = None  # the step's rollout batch (save_trees)
         self._t0 = time.perf_counter()
+        self._times: dict[str, float] = {}  # this step's seconds per phase (timed)
 
     def _open_out_dir(self, args: TrainArgs, algo: str, *, resumed: bool) -> None:
         """``out_dir``, checked writable.
@@ -523,6 +524,21 @@ class Run:
         share = self.dp.share(len(seeds))
         return seeds[share.start : share.stop]
 
+    @contextlib.contextmanager
+    def timed(self, phase: str) -> Iterator[None]:
+        """Add the block's wall-clock seconds to this step's ``time/<phase>_s``.
+
+        The learners' phases: ``generation`` (rollouts: policy sampling and env steps),
+        ``reference`` (the frozen ``pi_ref`` forward of the KL term), ``teacher`` (the
+        OPD teacher's forward) and ``update`` (the policy's forward, backward and
+        optimizer steps). Logged beside ``time/step_s``, this rank's own clock.
+        """
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            self._times[phase] = self._times.get(phase, 0.0) + time.perf_counter() - start
+
     def rollouts(self, jobs: Sequence[Callable[..., Any]]) -> list[Any]:
         """Run this step's rollout jobs with the behaviour policy and the run's executor.
 
@@ -530,10 +546,12 @@ class Run:
         ``grow_tree`` or ``group_rollouts`` without its policy). With ``batch_rollouts``
         the jobs grow in lockstep (:func:`branchgym.rollout.batch.run_batched`: one policy
         call per turn for all of them); otherwise one after another. Same trees either way.
+        Timed as ``time/generation_s``.
         """
-        if self.args.batch_rollouts and len(jobs) > 1:
-            return run_batched(list(jobs), self.behaviour, self.executor)
-        return [job(self.behaviour, executor=self.executor) for job in jobs]
+        with self.timed("generation"):
+            if self.args.batch_rollouts and len(jobs) > 1:
+                return run_batched(list(jobs), self.behaviour, self.executor)
+            return [job(self.behaviour, executor=self.executor) for job in jobs]
 
     # ---------------------------------------------------------------- log-probs
     def logprobs(
@@ -556,7 +574,14 @@ class Run:
 
     @torch.no_grad()
     def frozen_logprobs(self, model: Any, batch: Batch, field: str) -> None:
-        """Fill ``decision.<field>`` (``ref_logp``, ``teacher_logp``) with ``model``'s log-probs."""
+        """Fill ``decision.<field>`` (``ref_logp``, ``teacher_logp``) with ``model``'s log-probs.
+
+        Timed as ``time/reference_s`` (``ref_logp``) or ``time/teacher_s``.
+        """
+        with self.timed("reference" if field == "ref_logp" else "teacher"):
+            self._frozen_logprobs(model, batch, field)
+
+    def _frozen_logprobs(self, model: Any, batch: Batch, field: str) -> None:
         if self.args.micro_batch_tokens:  # the update's token-budget chunks (groups may split)
             scored = [i for i, r in enumerate(batch.rows) if r.decisions]
             parts = [[batch.rows[i] for i in c] for c in self.chunks(batch, scored)]
@@ -704,11 +729,28 @@ class Run:
         loss_fn: Callable[[Chunk], tuple[Tensor, dict[str, float]]],
         **kwargs: Any,
     ) -> dict[str, float]:
-        """``updates_per_batch`` updates over the batch's mini-batches; metrics averaged."""
+        """``updates_per_batch`` updates over the batch's mini-batches; metrics averaged.
+
+        Timed as ``time/update_s``; with vLLM sampling, the trainer's forward that
+        recomputes the behaviour log-probs first, as ``time/old_policy_s``. The token
+        counts after them are bookkeeping, not timed.
+        """
         if self.args.engine == "vllm":  # vLLM's log-probs -> the trainer's (vllm_training)
             from branchgym.agents.vllm_training import behaviour_correction
 
-            self.log(behaviour_correction(self, batch))
+            with self.timed("old_policy"):
+                self.log(behaviour_correction(self, batch))
+        with self.timed("update"):
+            merged = self._updates(batch, loss_fn, **kwargs)
+        merged.update(self.token_counts(batch))
+        return merged
+
+    def _updates(
+        self,
+        batch: Batch,
+        loss_fn: Callable[[Chunk], tuple[Tensor, dict[str, float]]],
+        **kwargs: Any,
+    ) -> dict[str, float]:
         self._step_batch = batch  # its trees and advantages, for save_trees_every
         out: dict[str, list[float]] = {}
         for rows in batch.minibatches(self.args.updates_per_batch):
@@ -719,7 +761,6 @@ class Run:
             if key in out:
                 merged[key] = out[key][-1]
         merged["update/count"] = float(len(batch.minibatches(self.args.updates_per_batch)))
-        merged.update(self.token_counts(batch))
         return merged
 
     def token_counts(self, batch: Batch) -> dict[str, float]:
@@ -767,6 +808,7 @@ class Run:
             while self.step < a.steps:
                 self._pending = {}
                 self._step_batch = None
+                self._times = {}
                 self._t0 = time.perf_counter()
                 yield self.step
                 with warnings.catch_warnings():
@@ -778,6 +820,7 @@ class Run:
                 line = {"step": self.step, "charts/lr": self.optimizer.param_groups[0]["lr"]}
                 line.update(reduce_metrics(self.dp, self._pending))
                 line["time/step_s"] = time.perf_counter() - self._t0
+                line.update({f"time/{k}_s": v for k, v in self._times.items()})
                 if a.eval_episodes and a.eval_every and self.step % a.eval_every == 0:
                     line.update(self.evaluate().metrics())
                 self.log_line(line)
