@@ -55,7 +55,7 @@ STUDIES: dict[str, tuple[str, str]] = {
     ),
     "trl": (
         "branchgym.bench.trl_trainer",
-        "step time of TRL's BranchingGRPOTrainer vs branchgym's bpo: same model, env, trees",
+        "branchgym grpo and bpo vs TRL's GRPOTrainer: step time, its split, learner tokens",
     ),
     "estimator": (
         "branchgym.bench.estimator",

@@ -54,7 +54,7 @@ from typing import Any
 
 import numpy as np
 
-from branchgym.bench.common import Report, machine_line, positive_int
+from branchgym.bench.common import Report, positive_int
 
 __all__ = ["configure", "main", "unique_tokens"]
 
@@ -458,7 +458,7 @@ def main(args: argparse.Namespace) -> int:
         f"completions per prompt (bpo: M = {args.m}, K = {args.k}, schedule even), replies "
         f"<= {args.max_new_tokens} tokens, beta = {BETA}, one update per step, "
         f"{args.steps} steps each, {args.threads} torch thread(s), float32. Medians leave "
-        f"out step 1 (warm-up). {machine_line()}"
+        "out step 1 (warm-up)."
     )
     if not have_trl:
         note = (
