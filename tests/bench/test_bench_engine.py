@@ -74,8 +74,17 @@ def test_engine_study_measures_batched_rollouts(tmp_path, capsys):
 @pytest.mark.slow
 def test_branching_study_runs(tmp_path, capsys):
     rc = main(
-        ["bench", "branching", "--quick", "--trees", "1", "--max-new-tokens", "4"]
-        + ["--out", str(tmp_path)]
+        [
+            "bench",
+            "branching",
+            "--quick",
+            "--trees",
+            "1",
+            "--max-new-tokens",
+            "4",
+            "--out",
+            str(tmp_path),
+        ]
     )
     assert rc == 0
     data = json.loads((tmp_path / "branching.json").read_text())
