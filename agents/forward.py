@@ -25,6 +25,12 @@ import dataclasses
 from collections.abc import Sequence
 from typing import Any
 
+from branchgym.agents.level_forward import (
+    CALL_COST,
+    level_forward,
+    level_pairs,
+    levels_supported,
+)
 from branchgym.error import DependencyMissingError, TrainingConfigError
 
 try:
@@ -38,11 +44,13 @@ __all__ = [
     "Pack",
     "PackedTree",
     "backbone",
+    "best_cut",
     "bucketed_forward",
     "length_buckets",
     "pack_trees",
     "packed_forward",
     "packing_exact",
+    "pack_cost",
     "pass_cost",
     "plan_packs",
 ]
@@ -86,6 +94,7 @@ def packed_forward(
     *,
     logit_positions: Sequence[Sequence[int]] | None = None,
     dense_mask: bool = False,
+    cut: int | None = None,
 ) -> tuple[list[Tensor], list[Tensor]]:
     """Log-prob of every target of every pack, in one padded forward pass.
 
@@ -96,14 +105,28 @@ def packed_forward(
     ``dense_mask`` gives plain packs the 4-D mask too (the same causal pattern; the
     benchmark's same-tokens comparison of the two paths).
 
+    Packs with side branches may instead go through a few calls over a key/value cache
+    (:func:`~branchgym.agents.level_forward.level_forward` at ``cut``: each branch is
+    handed what it continues as a cache, so it attends only what it sees): ``cut=None``
+    picks the cheaper of that and the dense mask (:func:`best_cut`) where the model allows
+    it (:func:`~branchgym.agents.level_forward.levels_supported`); ``cut=0`` (or
+    ``dense_mask``) forces the one-call dense 4-D mask.
+
     Returns:
         Per pack, a tensor of its targets' log-probs; and per pack the full next-token
         logits at ``logit_positions`` (PBR's constraints).
     """
+    base, head = backbone(model)
+    branched = dense_mask or any(p.segments for p in packs)
+    if cut is None:
+        cut = 0
+        if branched and not dense_mask and levels_supported(model, base):
+            cut = best_cut(packs, pair_cost(model))
+    if cut:
+        return _level_scores(base, head, packs, device, logit_positions, cut)
     width = max(len(p.tokens) for p in packs)
     ids = torch.zeros(len(packs), width, dtype=torch.long)
     pos = torch.zeros(len(packs), width, dtype=torch.long)
-    branched = dense_mask or any(p.segments for p in packs)
     if branched:
         att = torch.eye(width, dtype=torch.bool).repeat(len(packs), 1, 1)  # padding: self only
     else:
@@ -131,6 +154,27 @@ def packed_forward(
     ids, pos, att = ids.to(device), pos.to(device), att.to(device)
     if branched:
         att = att[:, None]  # (B, 1, L, L)
+    rows, cols, tgt = _scored(packs, logit_positions)
+    r = torch.tensor(rows, dtype=torch.long, device=device)
+    c = torch.tensor(cols, dtype=torch.long, device=device)
+    if base is not None and head is not None:
+        hidden = base(
+            input_ids=ids, attention_mask=att, position_ids=pos, use_cache=False
+        ).last_hidden_state
+        logits = head(hidden[r, c])
+    else:  # a model without a separate head: the full logits
+        logits = model(input_ids=ids, attention_mask=att, position_ids=pos).logits[r, c]
+    return _picked(logits, packs, tgt, logit_positions, device)
+
+
+def _scored(
+    packs: Sequence[Pack], logit_positions: Sequence[Sequence[int]] | None
+) -> tuple[list[int], list[int], list[int]]:
+    """Where every target is scored, then every logit position.
+
+    Returns ``(packs, positions, tokens)``: one pack and position per target, then one per
+    logit position; ``tokens`` lists the targets' tokens only.
+    """
     rows, cols, tgt = [], [], []
     for i, p in enumerate(packs):
         for predictor, token in p.targets:
@@ -142,16 +186,36 @@ def packed_forward(
     for i, where in enumerate(logit_positions or []):
         rows.extend([i] * len(where))
         cols.extend(where)
-    r = torch.tensor(rows, dtype=torch.long, device=device)
-    c = torch.tensor(cols, dtype=torch.long, device=device)
-    base, head = backbone(model)
-    if base is not None and head is not None:
-        hidden = base(
-            input_ids=ids, attention_mask=att, position_ids=pos, use_cache=False
-        ).last_hidden_state
-        logits = head(hidden[r, c])
-    else:  # a model without a separate head: the full logits
-        logits = model(input_ids=ids, attention_mask=att, position_ids=pos).logits[r, c]
+    return rows, cols, tgt
+
+
+def _level_scores(
+    base: Any,
+    head: Any,
+    packs: Sequence[Pack],
+    device: torch.device,
+    logit_positions: Sequence[Sequence[int]] | None,
+    cut: int,
+) -> tuple[list[Tensor], list[Tensor]]:
+    """:func:`packed_forward` through :func:`~branchgym.agents.level_forward.level_forward`."""
+    hidden = level_forward(base, packs, device, cut=cut)
+    rows, cols, tgt = _scored(packs, logit_positions)
+    offsets = [0]
+    for p in packs:
+        offsets.append(offsets[-1] + len(p.tokens))
+    flat = torch.tensor([offsets[r] + c for r, c in zip(rows, cols, strict=True)], dtype=torch.long)
+    logits = head(hidden[flat.to(device)])
+    return _picked(logits, packs, tgt, logit_positions, device)
+
+
+def _picked(
+    logits: Tensor,
+    packs: Sequence[Pack],
+    tgt: list[int],
+    logit_positions: Sequence[Sequence[int]] | None,
+    device: torch.device,
+) -> tuple[list[Tensor], list[Tensor]]:
+    """Split the scored rows' logits into per-pack target log-probs and logit rows."""
     logits = logits.float()
     n = len(tgt)
     picked = torch.log_softmax(logits[:n], dim=-1).gather(
@@ -275,8 +339,40 @@ def pass_cost(lengths: Sequence[int], pair: float) -> float:
     return float(sum(n + pair * n * n for n in lengths))
 
 
+def pack_cost(packs: Sequence[Pack], pair: float, *, cut: int = 0) -> float:
+    """:func:`pass_cost` of ``packs`` read at ``cut``.
+
+    ``cut=0`` is the dense mask (``length^2`` pairs per pack); ``cut >= 1`` is
+    :func:`~branchgym.agents.level_forward.level_forward`'s calls: their pairs, plus
+    :data:`~branchgym.agents.level_forward.CALL_COST` per extra call.
+    """
+    if not cut:
+        return pass_cost([len(p.tokens) for p in packs], pair)
+    total = CALL_COST * cut if any(p.segments for p in packs) else 0.0
+    for p in packs:
+        n = len(p.tokens)
+        total += n + pair * (level_pairs(n, p.segments, cut) if p.segments else n * n)
+    return total
+
+
+def best_cut(packs: Sequence[Pack], pair: float, *, most: int = 3) -> int:
+    """The cheapest way to read ``packs`` under :func:`pack_cost`.
+
+    0 is the dense mask, ``c >= 1`` the ``cut`` of
+    :func:`~branchgym.agents.level_forward.level_forward` (at most ``most``).
+    """
+    if not any(p.segments for p in packs):
+        return 0
+    costs = {c: pack_cost(packs, pair, cut=c) for c in range(most + 1)}
+    return min(costs, key=lambda c: (costs[c], c))
+
+
 def plan_packs(
-    packs: Sequence[Pack], trees: Sequence[Any] | None, *, pair: float = 1e-3
+    packs: Sequence[Pack],
+    trees: Sequence[Any] | None,
+    *,
+    pair: float = 1e-3,
+    levels: bool = False,
 ) -> tuple[list[Pack], list[PackedTree]]:
     """The packs a forward pass reads: each tree's rows merged by :func:`pack_trees` where it pays.
 
@@ -285,7 +381,9 @@ def plan_packs(
     4-D mask grows with the square of its length, so a tree with long branches may be
     read fastest as a few packs (the prefix once per pack), and a tree whose rows share
     nothing as its rows. Exact either way: the choice changes how often a prefix is
-    read, never a log-prob. ``trees=None`` keeps every pack.
+    read, never a log-prob. ``trees=None`` keeps every pack. ``levels``: a merged pack
+    may also be read over a key/value cache (:func:`packed_forward`'s ``cut``), where it
+    attends about what its rows attend; it is priced at the cheaper of the two reads.
 
     Returns:
         The packs and, per input pack, where it went (:class:`PackedTree`).
@@ -293,6 +391,14 @@ def plan_packs(
     if trees is None:
         plain = list(packs)
         return plain, [PackedTree(i, 0, list(range(len(p.tokens)))) for i, p in enumerate(plain)]
+
+    def tree_cost(ps: Sequence[Pack]) -> float:
+        dense = pack_cost(ps, pair)
+        if not levels or not any(p.segments for p in ps):
+            return dense
+        # per tree without the calls' fixed cost: the pass pays it once for all its trees
+        return min(dense, pack_cost(ps, pair, cut=1) - CALL_COST)
+
     members: dict[Any, list[int]] = {}
     for i, key in enumerate(trees):
         members.setdefault(key, []).append(i)
@@ -300,14 +406,14 @@ def plan_packs(
     placed: list[PackedTree | None] = [None] * len(packs)
     for own in members.values():
         n = len(own)
-        best = pass_cost([len(packs[i].tokens) for i in own], pair)
+        best = tree_cost([packs[i] for i in own])
         plan: tuple[list[Pack], list[PackedTree]] | None = None  # None: the rows as they are
         # one pack, or a few (at most 8, or one per row): the candidates stay cheap to build
         for k in sorted({-(-n // g) for g in range(1, min(n, 8) + 1)}, reverse=True):
             if k == 1:
                 continue
             merged, where = pack_trees([packs[i] for i in own], [j // k for j in range(n)])
-            cost = pass_cost([len(m.tokens) for m in merged], pair)
+            cost = tree_cost(merged)
             if cost < best:
                 best, plan = cost, (merged, where)
         if plan is None:
@@ -386,7 +492,9 @@ def bucketed_forward(
     passes, so plain rows keep the causal path.
     """
     if trees is not None:
-        merged, where = plan_packs(packs, trees, pair=pair_cost(model))
+        merged, where = plan_packs(
+            packs, trees, pair=pair_cost(model), levels=levels_supported(model, backbone(model)[0])
+        )
         positions = None
         if logit_positions is not None:
             positions = [[] for _ in merged]

