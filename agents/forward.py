@@ -11,10 +11,15 @@
   pass instead of once per path, with the same log-probs (the 4-D mask and position ids
   give every token exactly the context it had in its own row).
 * :func:`plan_packs`: tree packing where it pays. A tree's rows go into the number of
-  merged packs that costs least (:func:`pass_cost`: tokens, plus the attention pairs a 4-D
-  mask computes densely); a tree whose rows share no prefix keeps its rows, and rows without
+  merged packs that costs least (:func:`pack_cost`: tokens, plus the attention pairs the
+  read computes); a tree whose rows share no prefix keeps its rows, and rows without
   side branches go through the plain causal path (``bucketed_forward`` never gives them
   a 4-D mask because another pack of the pass needs one).
+* How a merged pack is read (:func:`best_cut`): in one call with a dense 4-D mask
+  (``length^2`` pairs; cheapest for short branches), or in a few calls over a key/value
+  cache (:mod:`~branchgym.agents.level_forward`: the dialogues, then each branch with
+  what it continues as its cache, attending only what its row attends; cheapest for
+  long branches, where the dense mask used to make a tree cheaper split in several packs).
 * :func:`packing_exact`: whether a model computes a packed pass exactly (None) or why
   not (flash-attention kernels and sliding windows ignore a custom 4-D mask).
 """
@@ -26,9 +31,9 @@ from collections.abc import Sequence
 from typing import Any
 
 from branchgym.agents.level_forward import (
-    CALL_COST,
+    CALL_SHARE,
+    call_shapes,
     level_forward,
-    level_pairs,
     levels_supported,
 )
 from branchgym.error import DependencyMissingError, TrainingConfigError
@@ -340,19 +345,25 @@ def pass_cost(lengths: Sequence[int], pair: float) -> float:
 
 
 def pack_cost(packs: Sequence[Pack], pair: float, *, cut: int = 0) -> float:
-    """:func:`pass_cost` of ``packs`` read at ``cut``.
+    """What one pass over ``packs`` computes at ``cut``, padding included.
 
-    ``cut=0`` is the dense mask (``length^2`` pairs per pack); ``cut >= 1`` is
-    :func:`~branchgym.agents.level_forward.level_forward`'s calls: their pairs, plus
-    :data:`~branchgym.agents.level_forward.CALL_COST` per extra call.
+    ``cut=0``: one padded batch with a dense mask (rows x longest tokens, and that
+    squared in attention pairs per row). ``cut >= 1``:
+    :func:`~branchgym.agents.level_forward.level_forward`'s calls, each a padded batch
+    of its rows (:func:`~branchgym.agents.level_forward.call_shapes`), each call after
+    the first adding :data:`~branchgym.agents.level_forward.CALL_SHARE` of the tokens.
+    Padding counts because it is computed: a row holding a branch and its nested
+    branches makes every row of its call that long.
     """
-    if not cut:
-        return pass_cost([len(p.tokens) for p in packs], pair)
-    total = CALL_COST * cut if any(p.segments for p in packs) else 0.0
-    for p in packs:
-        n = len(p.tokens)
-        total += n + pair * (level_pairs(n, p.segments, cut) if p.segments else n * n)
-    return total
+    if not packs:
+        return 0.0
+    if not cut or not any(p.segments for p in packs):
+        width = max(len(p.tokens) for p in packs)
+        return float(len(packs) * (width + pair * width * width))
+    shapes = call_shapes(packs, cut)
+    tokens = sum(rows * own for rows, own, _ in shapes)
+    pairs = sum(rows * own * (past + own) for rows, own, past in shapes)
+    return tokens * (1 + CALL_SHARE * (len(shapes) - 1)) + pair * pairs
 
 
 def best_cut(packs: Sequence[Pack], pair: float, *, most: int = 3) -> int:
@@ -393,11 +404,11 @@ def plan_packs(
         return plain, [PackedTree(i, 0, list(range(len(p.tokens)))) for i, p in enumerate(plain)]
 
     def tree_cost(ps: Sequence[Pack]) -> float:
-        dense = pack_cost(ps, pair)
-        if not levels or not any(p.segments for p in ps):
-            return dense
-        # per tree without the calls' fixed cost: the pass pays it once for all its trees
-        return min(dense, pack_cost(ps, pair, cut=1) - CALL_COST)
+        if not levels:
+            return pass_cost([len(p.tokens) for p in ps], pair)
+        if not any(p.segments for p in ps):
+            return pack_cost(ps, pair)
+        return min(pack_cost(ps, pair, cut=c) for c in range(4))  # as best_cut reads it
 
     members: dict[Any, list[int]] = {}
     for i, key in enumerate(trees):

@@ -20,9 +20,9 @@ Gradients flow through the cache into the calls that produced it, so the backwar
 exact too. ``cut = 1`` is the usual choice: the dialogues causally, then every branch
 with what it continues as its cache.
 
-Each extra call costs about one more pass over the weights (in backward, their
-gradients are summed over the calls), which :data:`CALL_COST` prices in
-:func:`~branchgym.agents.forward.pack_cost`; the token embedding runs once for the
+Each extra call costs more than its tokens (in backward, the weights' gradients are
+summed over the calls; the matrix products are smaller), which :data:`CALL_SHARE`
+prices in :func:`~branchgym.agents.forward.pack_cost`; the token embedding runs once for the
 whole pass (a tied embedding's gradient is a dense vocabulary x hidden matrix per call).
 
 Where it applies (:func:`levels_supported`): a model whose transformer takes
@@ -49,8 +49,9 @@ except ImportError as exc:  # pragma: no cover - exercised only without the extr
     ) from exc
 
 __all__ = [
-    "CALL_COST",
+    "CALL_SHARE",
     "Piece",
+    "call_shapes",
     "level_forward",
     "level_pairs",
     "level_rows",
@@ -58,10 +59,12 @@ __all__ = [
     "pieces",
 ]
 
-#: What one more model call of :func:`level_forward` costs, in tokens of linear layers
-#: (the weights' gradients summed once more, the call's fixed work; measured with
-#: ``branchgym bench packing`` on SmolLM2, docs/learners.md).
-CALL_COST = 40.0
+#: What each model call of :func:`level_forward` after the first adds, as a share of the
+#: pass's token work (the weights' gradients summed once more, smaller matrix products,
+#: the cache's gathers). Measured on SmolLM2 (float32, 2 CPU threads), calls beyond
+#: what :func:`~branchgym.agents.forward.pack_cost` counts in tokens, pairs and padding
+#: cost 2-9 % of the pass each (docs/learners.md, Reading a tree through a KV cache).
+CALL_SHARE = 0.08
 
 
 @dataclasses.dataclass
@@ -131,6 +134,20 @@ def level_pairs(tokens: int, segments: Sequence[tuple[int, int, int]], cut: int 
         q = sum(parts[j].end - parts[j].start for j in members)
         total += q * (len(parts[members[0]].context) + q)
     return total
+
+
+def call_shapes(packs: Sequence[Any], cut: int) -> list[tuple[int, int, int]]:
+    """``(rows, longest row, longest context)`` of each call :func:`level_forward` makes."""
+    calls: dict[int, list[tuple[int, int]]] = {}
+    for p in packs:
+        parts = pieces(len(p.tokens), p.segments)
+        for call, members in level_rows(parts, cut):
+            own = sum(parts[j].end - parts[j].start for j in members)
+            calls.setdefault(call, []).append((own, len(parts[members[0]].context)))
+    return [
+        (len(rows), max(o for o, _ in rows), max(c for _, c in rows))
+        for _, rows in sorted(calls.items())
+    ]
 
 
 def levels_supported(model: Any, base: Any) -> bool:
