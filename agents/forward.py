@@ -31,7 +31,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from branchgym.agents.level_forward import (
-    CALL_SHARE,
+    CALL_COST,
     call_shapes,
     level_forward,
     levels_supported,
@@ -351,7 +351,7 @@ def pack_cost(packs: Sequence[Pack], pair: float, *, cut: int = 0) -> float:
     squared in attention pairs per row). ``cut >= 1``:
     :func:`~branchgym.agents.level_forward.level_forward`'s calls, each a padded batch
     of its rows (:func:`~branchgym.agents.level_forward.call_shapes`), each call after
-    the first adding :data:`~branchgym.agents.level_forward.CALL_SHARE` of the tokens.
+    the first adding :data:`~branchgym.agents.level_forward.CALL_COST` tokens.
     Padding counts because it is computed: a row holding a branch and its nested
     branches makes every row of its call that long.
     """
@@ -363,7 +363,7 @@ def pack_cost(packs: Sequence[Pack], pair: float, *, cut: int = 0) -> float:
     shapes = call_shapes(packs, cut)
     tokens = sum(rows * own for rows, own, _ in shapes)
     pairs = sum(rows * own * (past + own) for rows, own, past in shapes)
-    return tokens * (1 + CALL_SHARE * (len(shapes) - 1)) + pair * pairs
+    return tokens + CALL_COST * (len(shapes) - 1) + pair * pairs
 
 
 def best_cut(packs: Sequence[Pack], pair: float, *, most: int = 3) -> int:

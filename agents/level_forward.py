@@ -21,7 +21,7 @@ exact too. ``cut = 1`` is the usual choice: the dialogues causally, then every b
 with what it continues as its cache.
 
 Each extra call costs more than its tokens (in backward, the weights' gradients are
-summed over the calls; the matrix products are smaller), which :data:`CALL_SHARE`
+summed over the calls; the matrix products are smaller), which :data:`CALL_COST`
 prices in :func:`~branchgym.agents.forward.pack_cost`; the token embedding runs once for the
 whole pass (a tied embedding's gradient is a dense vocabulary x hidden matrix per call).
 
@@ -49,7 +49,7 @@ except ImportError as exc:  # pragma: no cover - exercised only without the extr
     ) from exc
 
 __all__ = [
-    "CALL_SHARE",
+    "CALL_COST",
     "Piece",
     "call_shapes",
     "level_forward",
@@ -59,12 +59,13 @@ __all__ = [
     "pieces",
 ]
 
-#: What each model call of :func:`level_forward` after the first adds, as a share of the
-#: pass's token work (the weights' gradients summed once more, smaller matrix products,
-#: the cache's gathers). Measured on SmolLM2 (float32, 2 CPU threads), calls beyond
-#: what :func:`~branchgym.agents.forward.pack_cost` counts in tokens, pairs and padding
-#: cost 2-9 % of the pass each (docs/learners.md, Reading a tree through a KV cache).
-CALL_SHARE = 0.08
+#: What each model call of :func:`level_forward` after the first adds, in tokens of the
+#: pass (the weights' gradients summed once more, the call's fixed work): a fixed cost,
+#: not a share of the pass. ``branchgym bench packing`` on SmolLM2 (float32, 2 threads):
+#: one group of 120 + 7 x 28 took 2.10 s dense and 2.72 s in two calls, where tokens,
+#: pairs and padding rate the two calls slightly cheaper: about 0.6 s, some 90 of that
+#: pass's tokens (docs/learners.md, Reading a tree through a KV cache).
+CALL_COST = 100.0
 
 
 @dataclasses.dataclass

