@@ -372,10 +372,16 @@ def best_cut(packs: Sequence[Pack], pair: float, *, most: int = 3) -> int:
     0 is the dense mask, ``c >= 1`` the ``cut`` of
     :func:`~branchgym.agents.level_forward.level_forward` (at most ``most``).
     """
+    return _cheapest_read(packs, pair, most)[0]
+
+
+def _cheapest_read(packs: Sequence[Pack], pair: float, most: int = 3) -> tuple[int, float]:
+    """``(cut, pack_cost)`` of the cheapest read of ``packs`` (dense for plain packs)."""
     if not any(p.segments for p in packs):
-        return 0
+        return 0, pack_cost(packs, pair)
     costs = {c: pack_cost(packs, pair, cut=c) for c in range(most + 1)}
-    return min(costs, key=lambda c: (costs[c], c))
+    cut = min(costs, key=lambda c: (costs[c], c))
+    return cut, costs[cut]
 
 
 def plan_packs(
@@ -406,9 +412,7 @@ def plan_packs(
     def tree_cost(ps: Sequence[Pack]) -> float:
         if not levels:
             return pass_cost([len(p.tokens) for p in ps], pair)
-        if not any(p.segments for p in ps):
-            return pack_cost(ps, pair)
-        return min(pack_cost(ps, pair, cut=c) for c in range(4))  # as best_cut reads it
+        return _cheapest_read(ps, pair)[1]  # as packed_forward's best_cut will read it
 
     members: dict[Any, list[int]] = {}
     for i, key in enumerate(trees):

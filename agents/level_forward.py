@@ -35,7 +35,7 @@ cache twice).
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 from branchgym.error import DependencyMissingError, TrainingConfigError
@@ -127,24 +127,27 @@ def level_rows(parts: Sequence[Piece], cut: int) -> list[tuple[int, list[int]]]:
     return rows
 
 
+def _row_sizes(
+    tokens: int, segments: Sequence[tuple[int, int, int]], cut: int
+) -> Iterator[tuple[int, int, int]]:
+    """``(call, own tokens, context tokens)`` of each row of one pack at ``cut``."""
+    parts = pieces(tokens, segments)
+    for call, members in level_rows(parts, cut):
+        own = sum(parts[j].end - parts[j].start for j in members)
+        yield call, own, len(parts[members[0]].context)
+
+
 def level_pairs(tokens: int, segments: Sequence[tuple[int, int, int]], cut: int = 1) -> int:
     """Attention pairs :func:`level_forward` computes for one pack at ``cut`` (no padding)."""
-    parts = pieces(tokens, segments)
-    total = 0
-    for _, members in level_rows(parts, cut):
-        q = sum(parts[j].end - parts[j].start for j in members)
-        total += q * (len(parts[members[0]].context) + q)
-    return total
+    return sum(own * (ctx + own) for _, own, ctx in _row_sizes(tokens, segments, cut))
 
 
 def call_shapes(packs: Sequence[Any], cut: int) -> list[tuple[int, int, int]]:
     """``(rows, longest row, longest context)`` of each call :func:`level_forward` makes."""
     calls: dict[int, list[tuple[int, int]]] = {}
     for p in packs:
-        parts = pieces(len(p.tokens), p.segments)
-        for call, members in level_rows(parts, cut):
-            own = sum(parts[j].end - parts[j].start for j in members)
-            calls.setdefault(call, []).append((own, len(parts[members[0]].context)))
+        for call, own, ctx in _row_sizes(len(p.tokens), p.segments, cut):
+            calls.setdefault(call, []).append((own, ctx))
     return [
         (len(rows), max(o for o, _ in rows), max(c for _, c in rows))
         for _, rows in sorted(calls.items())

@@ -156,11 +156,12 @@ def main(args: argparse.Namespace) -> int:
             merged, _ = pack_trees(packs, keys)
             picked, _ = plan_packs(packs, keys, pair=pair, levels=True)
             cut = best_cut(picked, pair)
-            plan = "rows" if len(picked) == len(packs) else f"{len(picked)} pack(s)"
+            plan = "rows"
+            if len(picked) < len(packs):
+                plan = f"{len(picked)} pack(s), " + (f"cache cut {cut}" if cut else "dense")
             size = f"{prompt}+{args.rows}x{completion}"
             if args.groups > 1:
                 size = f"{args.groups}x({size})"
-            plan += f", cache cut {cut}" if cut else ", dense" if plan != "rows" else ""
             row_tokens = sum(len(p.tokens) for p in packs)
             step = functools.partial(_step, model, packed_forward, cpu)
             step(packs[:1], {})  # warm-up
