@@ -27,6 +27,7 @@ from branchgym.agents.forward import (  # noqa: E402
     plan_packs,
 )
 from branchgym.agents.level_forward import (  # noqa: E402
+    level_forward,
     level_pairs,
     level_rows,
     levels_supported,
@@ -88,6 +89,8 @@ def test_pieces_follow_the_trie():
     assert len(level_rows(parts, 10)) == len(parts)
     with pytest.raises(TrainingConfigError, match="comes after"):
         pieces(10, [(4, 6, 8)])
+    with pytest.raises(TrainingConfigError, match="cut >= 1"):  # cut 0 is the dense read
+        level_forward(None, merged, CPU, cut=0)
 
 
 @pytest.mark.parametrize("cut", [1, 2, 3])
