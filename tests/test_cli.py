@@ -65,3 +65,22 @@ def test_bench_snapshot_quick(tmp_path, capsys):
     assert "branchgym/TreeMDP-v0" in md and "PickleSnapshot" in md and "ReplaySnapshot" in md
     assert (tmp_path / "snapshot_envs.png").stat().st_size > 1000
     assert (tmp_path / "snapshot_cartpole.png").stat().st_size > 1000
+
+
+def test_bench_snapshot_envs_selects_sections(tmp_path, capsys):
+    """``--envs`` runs the registered-env table for the named ids and only their sections."""
+    from branchgym.bench.snapshot import SECTIONS, selected_sections
+
+    assert len(selected_sections(None)) == len(SECTIONS)
+    only_swe = selected_sections(["branchgym/SWEBench-v0"])
+    assert only_swe == [
+        "branchgym.bench.snapshot:section_registered",
+        "branchgym.bench.swebench:section_swebench",
+    ]
+    argv = ["bench", "snapshot", "--quick", "--repeats", "3", "--out", str(tmp_path)]
+    assert main([*argv, "--envs", "branchgym/TreeMDP-v0", "CartPole-v1"]) == 0
+    md = (tmp_path / "snapshot.md").read_text()
+    assert "branchgym/TreeMDP-v0" in md and "PickleSnapshot" in md
+    assert "branchgym/TextTreeMDP-v0" not in md
+    headings = [line for line in md.splitlines() if line.startswith("## ")]
+    assert headings == ["## Registered envs", "## CartPole: pickle vs replay by depth"]

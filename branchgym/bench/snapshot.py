@@ -24,19 +24,26 @@ from branchgym.bench import source
 from branchgym.bench.common import Report, Timing
 from branchgym.core import restore, snapshot
 
-__all__ = ["configure", "main", "SECTIONS", "SOURCE_MS", "measure_env"]
+__all__ = ["configure", "main", "SECTIONS", "SOURCE_MS", "measure_env", "selected_sections"]
 
 #: Snapshot cost the BPO source reports (its Table 4), by our env id.
 SOURCE_MS = source.SNAPSHOT_MS
 
-#: Report sections, run in order; ``"module:function"`` taking ``(report, args)``.
-SECTIONS: list[str] = [
-    "branchgym.bench.snapshot:section_registered",
-    "branchgym.bench.snapshot:section_cartpole",
-    "branchgym.bench.webshop:section_webshop",
-    "branchgym.bench.alfworld:section_alfworld",
-    "branchgym.bench.swebench:section_swebench",
+#: Report sections, run in order: ``"module:function"`` taking ``(report, args)``, and
+#: the env id the section studies (``None``: every registered env; the section filters
+#: ``--envs`` itself). ``--envs`` runs a section only when its env id is named.
+SECTIONS: list[tuple[str, str | None]] = [
+    ("branchgym.bench.snapshot:section_registered", None),
+    ("branchgym.bench.snapshot:section_cartpole", "CartPole-v1"),
+    ("branchgym.bench.webshop:section_webshop", "branchgym/WebShop-v0"),
+    ("branchgym.bench.alfworld:section_alfworld", "branchgym/ALFWorld-v0"),
+    ("branchgym.bench.swebench:section_swebench", "branchgym/SWEBench-v0"),
 ]
+
+
+def selected_sections(envs: list[str] | None) -> list[str]:
+    """The sections ``--envs`` asks for (all of them when it names none)."""
+    return [t for t, env_id in SECTIONS if not envs or env_id is None or env_id in envs]
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
@@ -44,7 +51,13 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--out", default="results", help="results folder (default: results)")
     parser.add_argument("--repeats", type=int, default=30, help="timed repetitions per figure")
     parser.add_argument("--depth", type=int, default=5, help="steps taken before snapshotting")
-    parser.add_argument("--envs", nargs="*", default=None, help="env ids to measure (default: all)")
+    parser.add_argument(
+        "--envs",
+        nargs="*",
+        default=None,
+        help="env ids to measure, and the scaling sections to run: CartPole-v1, "
+        "branchgym/WebShop-v0, branchgym/ALFWorld-v0, branchgym/SWEBench-v0 (default: all)",
+    )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--quick", action="store_true", help="fewer repeats and depths (CI)")
     parser.add_argument(
@@ -316,7 +329,7 @@ def main(args: argparse.Namespace) -> int:
     if args.quick:
         args.repeats = min(args.repeats, 10)
     report = Report(args.out, "snapshot", "branchgym bench snapshot")
-    for target in SECTIONS:
+    for target in selected_sections(args.envs):
         module, fn = target.split(":")
         getattr(importlib.import_module(module), fn)(report, args)
     path = report.save()

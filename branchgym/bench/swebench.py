@@ -160,8 +160,6 @@ def _verdict(family: str, m: dict[str, Any]) -> str:
 
 def section_swebench(report: Report, args: argparse.Namespace) -> None:
     """Snapshot, restore and fork of SWE-bench sandboxes: synthetic repo and generated tasks."""
-    if args.envs and "branchgym/SWEBench-v0" not in args.envs:
-        return
     n_files, size = (200, 3_000_000) if args.quick else (2000, 30_000_000)
     changes = (1, 10, 100) if args.quick else (1, 100, 1000)
     repeats = max(3, min(args.repeats, 10))
