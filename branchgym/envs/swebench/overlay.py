@@ -452,6 +452,10 @@ class OverlaySandbox(LocalSandbox):
                 # (a deleted name is counted in the lower inode's link count).
                 for r in seen - up:
                     p = self.merged / r
+                    # Only a name reached without links: a folder the agent swapped for a
+                    # link would make this chown (which clears set-uid bits) a host file.
+                    if os.path.realpath(p) != str(p):
+                        continue
                     if p.is_file() and not p.is_symlink():
                         st = os.lstat(p)
                         os.lchown(p, st.st_uid, st.st_gid)

@@ -153,6 +153,27 @@ def test_restore_follows_no_link_the_agent_planted(sandbox, tmp_path):
     snap.release()
 
 
+def test_linking_hard_links_up_touches_no_host_file_through_a_planted_link(sandbox, tmp_path):
+    # At a snapshot the overlay backend chowns (a no-op owner change, which clears set-uid
+    # bits) the other names of a hard link one name of which was written; a folder on
+    # the way to such a name swapped for a link to the host must not lead it there.
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    victim = outside / "victim"
+    victim.write_text("v")
+    os.chmod(victim, 0o4755)
+    run(sandbox, "mkdir d && echo h > d/victim && ln d/victim h1")
+    first = sandbox.snapshot()
+    run(sandbox, f"rm -rf d && ln -s {shlex.quote(str(outside))} d")
+    second = sandbox.snapshot()  # the link is frozen in a layer below the next writes
+    run(sandbox, "echo x >> h1")
+    third = sandbox.snapshot()
+    assert stat.S_IMODE(os.lstat(victim).st_mode) == 0o4755 and victim.read_text() == "v"
+    assert run(sandbox, "cat h1; readlink d") == f"h\nx\n{outside}\n"
+    for snap in (first, second, third):
+        snap.release()
+
+
 def test_a_write_through_one_name_shows_through_the_others(sandbox):
     run(sandbox, "echo v1 > a && ln a b && mkdir d && ln a d/c && echo w > w1 && ln w1 w2")
     snap = sandbox.snapshot()
