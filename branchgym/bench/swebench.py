@@ -36,7 +36,7 @@ __all__ = ["section_swebench", "synthetic_repo"]
 SOURCE_MS = source.SNAPSHOT_MS["branchgym/SWEBench-v0"]
 TARGETS = {  # backend family -> (snapshot+restore ms, fork ms, snapshot ms)
     "local": (100.0, 50.0, None),
-    "docker": (None, 1000.0, 300.0),
+    "docker": (250.0, 1000.0, 300.0),
 }
 
 
@@ -139,6 +139,8 @@ def _backends(quick: bool) -> list[tuple[str, str, Callable[[], Any] | None, str
             out.append(("docker git", "docker", None, "not in --quick"))
         else:
             out.append(("docker git", "docker", lambda: DockerBackend(snapshot_mode="git"), ""))
+        overlay = (lambda: DockerBackend(snapshot_mode="overlay")) if ok else None
+        out.append(("docker overlay", "docker", overlay, why))
     except Exception as exc:  # report why, never fail the whole bench
         out.append(("docker", "docker", None, f"{type(exc).__name__}: {exc}"[:120]))
     return out
@@ -205,7 +207,9 @@ def section_swebench(report: Report, args: argparse.Namespace) -> None:
         "layer, new git objects or image layer). *Command* is the median time of `true` in "
         "the sandbox: what each agent step pays for isolation and limits. *vs source* is the "
         f"source's {SOURCE_MS:,.0f} ms per snapshot divided by ours. Targets: local "
-        "snapshot+restore < 100 ms and fork < 50 ms; Docker snapshot < 300 ms and fork < 1 s."
+        "snapshot+restore < 100 ms and fork < 50 ms; Docker snapshot+restore < 250 ms, "
+        "snapshot < 300 ms and fork < 1 s. *docker overlay* restores only /testbed (its "
+        "layers live on the host; see docs/swebench.md), *docker commit* the whole container."
     )
     headers = ["backend", "files changed", "snapshot ms", "restore ms", "fork ms",
                "command ms", "disk MB", "vs source", "targets"]  # fmt: skip

@@ -358,7 +358,8 @@ def _layer_size(client: Any, image_id: str) -> int:
 class _Container:
     """A container with a reference count (the sandbox, and git snapshots taken in it)."""
 
-    def __init__(self, backend: DockerBackend, image_id: str) -> None:
+    def __init__(self, backend: DockerBackend, image_id: str, **run: Any) -> None:
+        """Start it; ``run``: more ``containers.run`` keywords (the overlay mode's mounts)."""
         self.backend = backend
         self.image_id = image_id
         backend.images.hold(image_id)
@@ -371,7 +372,7 @@ class _Container:
                 working_dir=WORKDIR,
                 hostname="sandbox",
                 labels=_labels(),
-                **backend.run_options(),
+                **{**backend.run_options(), **run},
             )
         except Exception:
             backend.images.drop(image_id)
@@ -647,7 +648,9 @@ class DockerBackend:
     """Makes Docker sandboxes.
 
     Args:
-        snapshot_mode: ``commit`` (images) or ``git`` (trees inside the container).
+        snapshot_mode: ``commit`` (images), ``git`` (trees inside the container) or
+            ``overlay`` (``/testbed`` as a host-side layer stack:
+            :mod:`~branchgym.envs.swebench.docker_overlay`).
         image: ``auto`` (default; None is the same): SWE-bench's image of the task when
             the daemon has it (see :func:`swebench_image_names`), else the base image
             plus the task's checkout; ``swebench``: SWE-bench's image only;
@@ -671,8 +674,10 @@ class DockerBackend:
         user: str | None = None,
     ) -> None:
         """Connect to the daemon and clean up after dead processes."""
-        if snapshot_mode not in ("commit", "git"):
-            raise SandboxError(f"snapshot_mode must be 'commit' or 'git', not {snapshot_mode!r}")
+        if snapshot_mode not in ("commit", "git", "overlay"):
+            raise SandboxError(
+                f"snapshot_mode must be 'commit', 'git' or 'overlay', not {snapshot_mode!r}"
+            )
         self.snapshot_mode = snapshot_mode
         self.image = image or "auto"
         self.max_layers = max_layers
@@ -688,12 +693,25 @@ class DockerBackend:
         #: shared by the backends of one daemon, as snapshots restore across env instances.
         self._info = _INFO.setdefault(id(self.client), {})
         self.pool = _pool()
+        self._overlay: Any = None
+        if snapshot_mode == "overlay":
+            self.overlay_layers()  # refuse now where this process cannot mount overlayfs
         prune_stale(self.client)
+
+    def overlay_layers(self) -> Any:
+        """The overlay mode's host side (layer store, image bases); made at first use."""
+        if self._overlay is None:
+            from branchgym.envs.swebench.docker_overlay import OverlayLayers
+
+            self._overlay = OverlayLayers(self)
+        return self._overlay
 
     @property
     def kind(self) -> str:
         """Snapshot kind of the sandboxes it makes."""
-        return "container+git" if self.snapshot_mode == "git" else "container"
+        return {"git": "container+git", "overlay": "container+overlay"}.get(
+            self.snapshot_mode, "container"
+        )
 
     def default_env(self) -> dict[str, str]:
         """The environment a new shell starts with."""
@@ -944,7 +962,13 @@ class DockerBackend:
     # -- sandboxes ----------------------------------------------------------------
     def create(self, task: SWEBenchTask, checkout: Path | None) -> DockerSandbox:
         """A container at the task's base commit (``checkout``: None for a given image)."""
-        sb = DockerSandbox(self, self.task_image(task, checkout))
+        sb: DockerSandbox
+        if self.snapshot_mode == "overlay":
+            from branchgym.envs.swebench.docker_overlay import DockerOverlaySandbox
+
+            sb = DockerOverlaySandbox(self, self.task_image(task, checkout))
+        else:
+            sb = DockerSandbox(self, self.task_image(task, checkout))
         info = sb.box.info
         if info.name and info.env is None:
             try:
@@ -988,6 +1012,15 @@ class DockerBackend:
     def from_snapshot(self, snap: SandboxSnapshot) -> DockerSandbox:
         """A new container in ``snap``'s state."""
         snap.check()
+        if self.snapshot_mode == "overlay":
+            from branchgym.envs.swebench.docker_overlay import (
+                DockerOverlaySandbox,
+                DockerOverlaySnapshot,
+            )
+
+            if isinstance(snap, DockerOverlaySnapshot):
+                return DockerOverlaySandbox(self, snap.image_id, snap.layers.stack)
+            raise SandboxError(f"the docker-overlay backend cannot restore a {snap.kind} snapshot")
         if isinstance(snap, DockerSnapshot):
             return DockerSandbox(self, snap.image_id)
         if isinstance(snap, DockerGitSnapshot):

@@ -125,6 +125,7 @@ BACKENDS = {
     "git": "git trees in a private object store; bubblewrap isolation",
     "docker": "a container per sandbox; snapshot = docker commit",
     "docker-git": "a container per sandbox; snapshot = git trees inside the container",
+    "docker-overlay": "a container per sandbox; /testbed = overlayfs layers on the host",
 }
 
 _CHARSET = string.printable
@@ -263,7 +264,7 @@ class SWEBenchEnv(SnapshottableEnv[str, str]):
         """Load the tasks and start the backend (no sandbox exists before ``reset``)."""
         # Docker with SWE-bench's (or a given) image needs no clone: a missing repos_dir
         # is an error only when a task turns out to need a checkout.
-        images = backend in ("docker", "docker-git") and docker_image != "branchgym"
+        images = str(backend).startswith("docker") and docker_image != "branchgym"
         self.tasks, self.repos_dir = self._load(tasks, instance_ids, repos_dir, images)
         self._by_id = {t.instance_id: t for t in self.tasks}
         if backend not in BACKENDS:
@@ -703,5 +704,7 @@ def _make_backend(
     from branchgym.envs.swebench.docker_backend import DockerBackend
 
     return DockerBackend(
-        snapshot_mode="git" if name == "docker-git" else "commit", image=docker_image, limits=limits
+        snapshot_mode={"docker-git": "git", "docker-overlay": "overlay"}.get(name, "commit"),
+        image=docker_image,
+        limits=limits,
     )

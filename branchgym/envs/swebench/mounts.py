@@ -23,6 +23,7 @@ __all__ = [
     "mount_overlay",
     "mount_tmpfs",
     "move_mount",
+    "bind_shared",
     "umount",
     "list_local_mounts",
     "work_root",
@@ -88,6 +89,26 @@ def move_mount(source: Path, target: Path) -> None:
     # A frozen layer is never written again: make that a kernel guarantee.
     flags = _MS_REMOUNT | _MS_RDONLY | _MS_NOSUID | _MS_NODEV
     _libc.mount(b"tmpfs", os.fsencode(target), b"tmpfs", flags, None)
+
+
+_MS_BIND, _MS_SHARED = 4096, 1 << 20
+
+
+def bind_shared(target: Path) -> None:
+    """Make the folder ``target`` a shared mount point (a bind mount onto itself).
+
+    A mount made on it later propagates to its peers and slaves: a container given it as
+    a bind mount with ``rslave`` propagation sees a host-side overlay mounted (or
+    unmounted) there at once (:mod:`~branchgym.envs.swebench.docker_overlay`).
+    """
+    path = os.fsencode(target)
+    if _libc.mount(path, path, None, _MS_BIND, None) != 0:
+        err = ctypes.get_errno()
+        raise OSError(err, f"bind mount {target}: {os.strerror(err)}")
+    if _libc.mount(b"none", path, None, _MS_SHARED, None) != 0:
+        err = ctypes.get_errno()
+        _libc.umount2(path, _MNT_DETACH)
+        raise OSError(err, f"make {target} a shared mount: {os.strerror(err)}")
 
 
 def umount(target: Path) -> None:

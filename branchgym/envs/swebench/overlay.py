@@ -25,10 +25,17 @@ import shutil
 import stat
 import time
 import weakref
+from collections.abc import Callable
 from pathlib import Path
 
 from branchgym.envs.swebench.layers import Store
-from branchgym.envs.swebench.mounts import mount_overlay, mount_tmpfs, move_mount, umount
+from branchgym.envs.swebench.mounts import (
+    bind_shared,
+    mount_overlay,
+    mount_tmpfs,
+    move_mount,
+    umount,
+)
 from branchgym.envs.swebench.runner import LocalSandbox, Runner
 from branchgym.envs.swebench.sandbox import (
     SandboxSnapshot,
@@ -311,6 +318,9 @@ class OverlaySandbox(LocalSandbox):
         max_layers: int = 32,
         redirect_dir: bool = False,
         index: bool = False,
+        shared: bool = False,
+        before_mount: Callable[[Path], None] | None = None,
+        root_owner: tuple[int, int, int] | None = None,
     ) -> None:
         """Mount a fresh upper layer over ``stack`` (topmost first, checkout last).
 
@@ -318,9 +328,15 @@ class OverlaySandbox(LocalSandbox):
         lower layers works; without it, EXDEV, as in Docker's overlay2). ``index``:
         mount with ``index=on`` and link hard links up at snapshot time, so names of one
         inode stay one inode across snapshots (without it, a write after a snapshot
-        goes to the written name only).
+        goes to the written name only). ``shared``: the merged folder is first made a
+        shared mount point, so that every later overlay mount on it propagates to its
+        bind mounts; ``before_mount(merged)`` runs before the first overlay mount (a
+        container binding the folder starts there). ``root_owner``: ``(uid, gid,
+        mode)`` of every fresh upper layer's root (the merged root takes it: it must be
+        the bottom layer's, or commands lose their write permission at the top).
         """
         super().__init__(store, runner)
+        self.root_owner = root_owner
         self.redirect_dir = redirect_dir
         self.index = index
         self._index_on = False  # the current mount has index=on
@@ -331,11 +347,20 @@ class OverlaySandbox(LocalSandbox):
         for d in (self.rw, self.merged):
             d.mkdir(parents=True)
         self.stack: tuple[str, ...] = ()
-        state = {"stack": (), "mounted": False, "rw": False}
+        state = {"stack": (), "mounted": False, "rw": False, "bound": False}
         self._state = state  # shared with the finalizer, which must not refer to self
         self._finalizer = weakref.finalize(self, _overlay_cleanup, store, self.dir, state)
-        self._new_rw()
-        self._mount(stack)
+        try:
+            self._new_rw()
+            if shared:
+                bind_shared(self.merged)
+                state["bound"] = True
+            if before_mount is not None:
+                before_mount(self.merged)
+            self._mount(stack)
+        except BaseException:
+            self._finalizer()
+            raise
 
     @property
     def host_dir(self) -> Path:
@@ -354,6 +379,10 @@ class OverlaySandbox(LocalSandbox):
         self._state["rw"] = True
         self.upper.mkdir()
         self.work.mkdir()
+        if self.root_owner is not None:
+            uid, gid, mode = self.root_owner
+            os.chown(self.upper, uid, gid)
+            os.chmod(self.upper, mode)
 
     def _mount(self, stack: tuple[str, ...]) -> None:
         self.store.acquire(stack)
@@ -514,7 +543,7 @@ class OverlaySandbox(LocalSandbox):
 
 
 def _overlay_cleanup(store: Store, box: Path, state: dict) -> None:
-    for flag, sub in (("mounted", "m"), ("rw", "rw")):
+    for flag, sub in (("mounted", "m"), ("rw", "rw"), ("bound", "m")):
         if state[flag]:
             try:
                 umount(box / sub)

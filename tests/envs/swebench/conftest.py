@@ -68,6 +68,7 @@ EVERY_BACKEND = [
     "git",
     pytest.param("docker", marks=pytest.mark.docker),
     pytest.param("docker-git", marks=pytest.mark.docker),
+    pytest.param("docker-overlay", marks=pytest.mark.docker),
 ]
 
 
