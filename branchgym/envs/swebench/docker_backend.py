@@ -15,6 +15,10 @@ Snapshot modes:
   permission bits git does not keep, in a private object store inside the container
   (``/var/lib/branchgym``). Fast (one ``exec``), but only ``/testbed`` is restored.
   Restoring into another container commits the source container first.
+* ``overlay`` (kind ``container+overlay``): ``/testbed`` is the overlay backend's layer
+  stack, mounted on the host and propagated into the container; snapshot and restore are
+  host-side mounts (no Docker call), the rest of the container is read-only
+  (:mod:`~branchgym.envs.swebench.docker_overlay`).
 
 No CRIU: process state is not snapshotted. Nothing outlives a command: each runs under
 ``timeout``, and when it ends everything it started is killed (``kill -9 -1`` as the
