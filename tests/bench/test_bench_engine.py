@@ -84,15 +84,29 @@ def test_branching_study_runs(tmp_path, capsys):
             "4",
             "--out",
             str(tmp_path),
+            # ALFWorld's branching costs 90 s here and adds no path the others lack; its
+            # restored-vs-replayed play is tested in tests/envs/alfworld.
+            "--envs",
+            "branchgym/TextTreeMDP-v0",
+            "branchgym/WebShop-v0",
+            "branchgym/SWEBench-v0",
         ]
     )
     assert rc == 0
     data = json.loads((tmp_path / "branching.json").read_text())
-    bpo = data["branchgym/TextTreeMDP-v0|bpo|snapshot"]
-    group = data["branchgym/TextTreeMDP-v0|group|-"]
-    assert bpo["rollouts"] == group["rollouts"] == 7
-    assert group["tokens_saved"] == 0.0 and bpo["independent_tokens"] > bpo["generated_tokens"]
-    assert data["branchgym/TextTreeMDP-v0|bpo|replay"]["replay_steps"] > 0
+    for env_id in ("branchgym/TextTreeMDP-v0", "branchgym/WebShop-v0"):
+        bpo = data[f"{env_id}|bpo|snapshot"]
+        group = data[f"{env_id}|group|-"]
+        assert bpo["rollouts"] == group["rollouts"] == 7
+        assert group["tokens_saved"] == 0.0
+        assert bpo["independent_tokens"] > bpo["generated_tokens"]
+        replay = data[f"{env_id}|bpo|replay"]
+        assert replay["replay_steps"] > 0
+        # The same seeds grow the same tree whichever way states are kept.
+        assert replay["generated_tokens"] == bpo["generated_tokens"]
+    swe = data["branchgym/SWEBench-v0|group|-"]
+    assert swe["rollouts"] == 7 and swe["tokens_saved"] == 0.0
+    assert data["branchgym/SWEBench-v0|bpo|snapshot"]["snapshots_taken"] > 0
     snap = data["state_keeping|branchgym/TextTreeMDP-v0|snapshot"]
     replay = data["state_keeping|branchgym/TextTreeMDP-v0|replay"]
     assert replay["snapshots_taken"] < snap["snapshots_taken"] and replay["replay_steps"] > 0
