@@ -1,4 +1,5 @@
 import io
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -65,6 +66,9 @@ def test_bench_snapshot_quick(tmp_path, capsys):
     assert "branchgym/TreeMDP-v0" in md and "PickleSnapshot" in md and "ReplaySnapshot" in md
     assert (tmp_path / "snapshot_envs.png").stat().st_size > 1000
     assert (tmp_path / "snapshot_cartpole.png").stat().st_size > 1000
+    if os.environ.get("BRANCHGYM_REQUIRE_DOCKER") == "1":  # CI: every Docker mode measured
+        for backend in ("docker commit", "docker overlay"):
+            assert f"| {backend} | 1 |" in md and f"| {backend} | 100 |" in md
 
 
 def test_bench_snapshot_envs_selects_sections(tmp_path, capsys):
