@@ -276,9 +276,12 @@ def test_snapshot_images_forget_how_they_ran_once_released(fixture_task):
 
 @pytest.mark.docker
 @pytest.mark.slow
-def test_docker_git_mode_on_a_real_image(fixture_task):
+@pytest.mark.parametrize("backend", ["docker-git", "docker-overlay"])
+def test_testbed_only_modes_on_a_real_image(fixture_task, backend):
+    # docker-overlay copies /testbed out of the image (root's, with its setup commit) as
+    # the bottom layer, and runs the image's conda environment on a read-only root.
     task = fixture_task
-    env = gym.make(ENV_ID, tasks=[task], backend="docker-git")
+    env = gym.make(ENV_ID, tasks=[task], backend=backend)
     try:
         env.reset(options={"instance_id": task.instance_id})
         digest = env.unwrapped.state_digest()
