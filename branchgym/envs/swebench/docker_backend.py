@@ -89,6 +89,9 @@ from branchgym.error import DependencyMissingError, SandboxError, SandboxUnavail
 __all__ = [
     "DockerBackend",
     "DockerSandbox",
+    "Container",
+    "docker_sdk",
+    "owner_labels",
     "BASE_IMAGE",
     "docker_client",
     "owned_resources",
@@ -116,7 +119,8 @@ _SNAP_LABEL = "branchgym.snapshot"
 _HOST = socket.gethostname()
 
 
-def _docker() -> Any:
+def docker_sdk() -> Any:
+    """The ``docker`` package (the ``docker`` extra), or a typed error that says to install it."""
     try:
         import docker
     except ImportError as exc:
@@ -131,7 +135,7 @@ def docker_client() -> Any:
     """A shared client of the local daemon (``DOCKER_HOST`` respected)."""
     global _CLIENT
     if _CLIENT is None:
-        docker = _docker()
+        docker = docker_sdk()
         try:
             client = docker.from_env(timeout=3600)
             client.ping()
@@ -191,7 +195,8 @@ class _ImageInfo:
     name: str = ""
 
 
-def _labels(**extra: str) -> dict[str, str]:
+def owner_labels(**extra: str) -> dict[str, str]:
+    """Labels that mark a container or image as this process's (``prune_stale`` reads them)."""
     return {_LABEL: "1", "branchgym.pid": str(os.getpid()), "branchgym.host": _HOST, **extra}
 
 
@@ -226,7 +231,7 @@ def prune_stale(client: Any | None = None) -> int:
 
     # Listed without an inspect per item, and a removal that finds nothing is fine: this
     # process's own background removals may be deleting containers at the same moment.
-    gone = _docker().errors.NotFound
+    gone = docker_sdk().errors.NotFound
     for c in client.api.containers(all=True, filters={"label": _LABEL}):
         if dead(c.get("Labels") or {}):
             try:
@@ -359,7 +364,7 @@ def _layer_size(client: Any, image_id: str) -> int:
         return 0
 
 
-class _Container:
+class Container:
     """A container with a reference count (the sandbox, and git snapshots taken in it)."""
 
     def __init__(self, backend: DockerBackend, image_id: str, **run: Any) -> None:
@@ -375,7 +380,7 @@ class _Container:
                 network_mode="none",
                 working_dir=WORKDIR,
                 hostname="sandbox",
-                labels=_labels(),
+                labels=owner_labels(),
                 **{**backend.run_options(), **run},
             )
         except Exception:
@@ -410,10 +415,12 @@ class _Container:
         return int(words[0])
 
     def hold(self) -> None:
+        """One more holder (a git snapshot taken in it)."""
         with self.lock:
             self.refs += 1
 
     def drop(self) -> None:
+        """One holder fewer; the last one removes the container (in the background)."""
         with self.lock:
             self.refs -= 1
             gone = self.refs == 0
@@ -433,7 +440,7 @@ class DockerGitSnapshot(SandboxSnapshot):
     kind = "container+git"
     backend = "docker-git"
 
-    def __init__(self, container: _Container, manifest_id: str) -> None:
+    def __init__(self, container: Container, manifest_id: str) -> None:
         """Hold ``container`` until released."""
         container.hold()
         self.container = container
@@ -453,7 +460,7 @@ class DockerSandbox(Sandbox):
         self.b = backend
         self.kind = "container+git" if backend.snapshot_mode == "git" else "container"
         self.backend = "docker-git" if backend.snapshot_mode == "git" else "docker"
-        self.box = _Container(backend, image_id)
+        self.box = Container(backend, image_id)
 
     @property
     def base_ref(self) -> str | None:
@@ -618,7 +625,7 @@ class DockerSandbox(Sandbox):
 
     def _swap(self, image_id: str) -> None:
         old = self.box
-        self.box = _Container(self.b, image_id)
+        self.box = Container(self.b, image_id)
         old.drop()
 
     def fork(self, snap: SandboxSnapshot | None = None) -> DockerSandbox:
@@ -723,7 +730,7 @@ class DockerBackend:
 
     def run_options(self) -> dict[str, Any]:
         """``containers.run`` keywords: least privilege and the resource limits."""
-        docker = _docker()
+        docker = docker_sdk()
         lim = self.limits
         opts: dict[str, Any] = {
             # PID 1 is Docker's init: it reaps what the per-command kill leaves as zombies
@@ -758,7 +765,7 @@ class DockerBackend:
                     BASE_IMAGE,
                     ["true"],
                     storage_opt={"size": "1G"},
-                    labels=_labels(),
+                    labels=owner_labels(),
                 )
             except Exception:  # APIError: the driver has no quota; ImageNotFound: unknown
                 _QUOTA[key] = False
@@ -832,7 +839,7 @@ class DockerBackend:
             SandboxUnavailableError: ``swebench`` or a named image, and the daemon does
                 not have it (the message says how to load it).
         """
-        docker = _docker()
+        docker = docker_sdk()
         if self.image == "branchgym":
             return None
         if self.image in ("auto", "swebench"):
@@ -868,7 +875,7 @@ class DockerBackend:
 
     def task_image(self, task: SWEBenchTask, checkout: Path | None) -> str:
         """The image of ``task``: SWE-bench's / the given one, or its checkout built in."""
-        docker = _docker()
+        docker = docker_sdk()
         given = self.given_image(task)
         if given is not None:
             image_id, name = given
@@ -899,7 +906,7 @@ class DockerBackend:
                 return self.client.images.get(name).id
             except docker.errors.ImageNotFound:
                 pass
-            c = self.client.containers.create(base.id, ["true"], labels=_labels())
+            c = self.client.containers.create(base.id, ["true"], labels=owner_labels())
             try:
 
                 def owned(info: tarfile.TarInfo) -> tarfile.TarInfo:
@@ -924,9 +931,9 @@ class DockerBackend:
                 c.remove(force=True)
             return self.client.images.get(name).id
 
-    def commit(self, box: _Container) -> str:
+    def commit(self, box: Container) -> str:
         """Commit a container into a snapshot image (flattened near the layer limit)."""
-        img = box.c.commit(pause=False, conf={"Labels": _labels(**{_SNAP_LABEL: "1"})})
+        img = box.c.commit(pause=False, conf={"Labels": owner_labels(**{_SNAP_LABEL: "1"})})
         self.images.adopt(img.id, box.image_id)
         if box.info.name:  # a SWE-bench image's snapshots run commands as it does
             self._info[img.id] = box.info
@@ -936,14 +943,14 @@ class DockerBackend:
         flat = self._flatten(box, img)
         return flat
 
-    def _flatten(self, box: _Container, img: Any) -> str:
+    def _flatten(self, box: Container, img: Any) -> str:
         """One-layer copy of ``img`` (export of its container + import)."""
         cfg = img.attrs.get("Config", {})
         changes = [f"WORKDIR {cfg.get('WorkingDir') or WORKDIR}"]
         changes += [f"ENV {e}" for e in cfg.get("Env") or []]
         changes += [f"LABEL {_SNAP_LABEL}=1", f"LABEL {_LABEL}=1"]
         changes += [f"LABEL branchgym.pid={os.getpid()}", f"LABEL branchgym.host={_HOST}"]
-        tmp = _Container(self, img.id)
+        tmp = Container(self, img.id)
         try:
             with tempfile.NamedTemporaryFile(suffix=".tar") as f:
                 for chunk in tmp.c.export():

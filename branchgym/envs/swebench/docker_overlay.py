@@ -42,10 +42,10 @@ from typing import TYPE_CHECKING
 
 from branchgym.envs.swebench.docker_backend import (
     AGENT_HOME,
+    Container,
     DockerSandbox,
-    _Container,
-    _docker,
-    _labels,
+    docker_sdk,
+    owner_labels,
 )
 from branchgym.envs.swebench.layers import Store
 from branchgym.envs.swebench.mounts import index_support, overlay_support, redirect_dir_support
@@ -116,7 +116,8 @@ class OverlayLayers:
         bases.mkdir(parents=True, exist_ok=True)
         target = Path(tempfile.mkdtemp(prefix=image_id.replace("sha256:", "")[:16], dir=bases))
         client = self.backend.client
-        box = client.containers.create(image_id, ["true"], network_disabled=True, labels=_labels())
+        labels = owner_labels()
+        box = client.containers.create(image_id, ["true"], network_disabled=True, labels=labels)
         try:
             chunks, _ = box.get_archive(WORKDIR)
             with tempfile.TemporaryFile(dir=self.store.root) as f:
@@ -186,7 +187,7 @@ class DockerOverlaySandbox(DockerSandbox):
         Sandbox.__init__(self)
         self.b = backend
         self.backend = "docker-overlay"
-        self._pid: tuple[_Container, int] | None = None  # the container's init, on the host
+        self._pid: tuple[Container, int] | None = None  # the container's init, on the host
         self._start(image_id, stack)
 
     def _start(self, image_id: str, stack: tuple[str, ...] | None) -> None:
@@ -199,14 +200,14 @@ class DockerOverlaySandbox(DockerSandbox):
         if info.user == backend.user and info.user.split(":")[0] != "0":  # branchgym-built
             uid, _, gid = info.user.partition(":")
             scratch[AGENT_HOME] = _tmpfs(backend.limits.tmp, 0o755, uid, gid or uid)
-        boxes: list[_Container] = []
+        boxes: list[Container] = []
 
         def start(merged: Path) -> None:
-            docker = _docker()
+            docker = docker_sdk()
             mount = docker.types.Mount(WORKDIR, str(merged), type="bind", propagation="rslave")
             try:
                 boxes.append(
-                    _Container(backend, image_id, mounts=[mount], read_only=True, tmpfs=scratch)
+                    Container(backend, image_id, mounts=[mount], read_only=True, tmpfs=scratch)
                 )
             except SandboxError:
                 raise
