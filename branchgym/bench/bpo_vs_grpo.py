@@ -134,6 +134,13 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--quick", action="store_true", help="the CI maze, 10 updates, main comparison only"
     )
+    parser.add_argument(
+        "--maze",
+        choices=("study", "ci"),
+        default=None,
+        help="the maze phase's TextTreeMDP: study (depth 4, the default) or ci (depth 3, "
+        "the --quick one; a fast maze phase before the WebShop phase)",
+    )
 
 
 def _common(args: argparse.Namespace) -> dict[str, Any]:
@@ -198,7 +205,7 @@ def main(args: argparse.Namespace) -> int:  # noqa: C901 - one study, read top t
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    maze = STUDY_MAZE
+    maze = CI_MAZE if getattr(args, "maze", None) == "ci" else STUDY_MAZE
     if args.quick:
         args.steps, args.eval_every = min(args.steps, 10), 5
         args.no_ablations = args.no_webshop = True

@@ -31,11 +31,12 @@ def test_learning_study_webshop_phase(tmp_path, capsys):
     """The WebShop phase end to end: SFT, every learner from its checkpoint, report and plot."""
     pytest.importorskip("branchgym.envs.webshop")
     args = ["bench", "learning", "--seeds", "1", "--steps", "1", "--prompts", "1"]
-    args += ["--no-ablations", "--webshop-seeds", "1", "--webshop-steps", "1"]
+    args += ["--no-ablations", "--maze", "ci", "--webshop-seeds", "1", "--webshop-steps", "1"]
     args += ["--webshop-eval", "2", "--webshop-sft-steps", "1", "--webshop-max-steps", "4"]
     args += ["--out", str(tmp_path)]
     assert main(args) == 0
     md = (tmp_path / "learning.md").read_text()
+    assert "'depth': 3" in md  # --maze ci
     assert "## WebShop, tiny model after SFT" in md and "episodes cut at 4 steps" in md
     assert "success gain over SFT (points)" in md
     data = json.loads((tmp_path / "learning.json").read_text())
