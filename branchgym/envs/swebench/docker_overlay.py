@@ -51,7 +51,7 @@ from branchgym.envs.swebench.layers import Store
 from branchgym.envs.swebench.mounts import index_support, overlay_support, redirect_dir_support
 from branchgym.envs.swebench.overlay import OverlaySandbox, OverlaySnapshot
 from branchgym.envs.swebench.runner import Runner
-from branchgym.envs.swebench.sandbox import WORKDIR, Sandbox, SandboxSnapshot
+from branchgym.envs.swebench.sandbox import WORKDIR, Sandbox, SandboxSnapshot, inside_workdir
 from branchgym.error import SandboxError, SandboxUnavailableError
 
 if TYPE_CHECKING:
@@ -243,6 +243,34 @@ class DockerOverlaySandbox(DockerSandbox):
                 "private mounts). Use backend='docker' or 'docker-git'."
             )
         hosts.checked = True
+
+    # -- files: on the host, through the merged mount (no Docker call) ------------------
+    def read(self, path: str) -> bytes:
+        """A file's bytes, read on the host (links that lead outside /testbed refused)."""
+        self._check_open()
+        return self.layers.read(path)
+
+    def write(self, path: str, data: bytes, mode: int | None = None) -> None:
+        """Create or replace a file on the host, owned by the container's user."""
+        self._check_open()
+        root = self.layers.host_dir
+        target = root / inside_workdir(path)
+        made = []  # the folders this write creates, which need the owner too
+        parent = target.parent
+        while parent != root and not os.path.lexists(parent):
+            made.append(parent)
+            parent = parent.parent
+        self.layers.write(path, data, 0o644 if mode is None else mode)
+        uid, _, gid = self.box.info.user.partition(":")
+        owner = int(uid or 0), int(gid or uid or 0)
+        os.chown(target, *owner)  # a link here leads inside /testbed (checked by write)
+        for folder in made:
+            os.lchown(folder, *owner)
+
+    def tree_digest(self) -> str:
+        """Hash of /testbed, computed on the host (the same code as in the container)."""
+        self._check_open()
+        return self.layers.tree_digest()
 
     # -- snapshots ----------------------------------------------------------------
     def snapshot(self) -> SandboxSnapshot:
