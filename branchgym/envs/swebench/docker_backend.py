@@ -704,18 +704,14 @@ class DockerBackend:
         #: shared by the backends of one daemon, as snapshots restore across env instances.
         self._info = _INFO.setdefault(id(self.client), {})
         self.pool = _pool()
-        self._overlay: Any = None
+        #: The overlay mode's host side (layer store, image bases); None in other modes.
+        #: Made here, so a process that cannot mount overlayfs is refused at once.
+        self.overlay: Any = None
         if snapshot_mode == "overlay":
-            self.overlay_layers()  # refuse now where this process cannot mount overlayfs
-        prune_stale(self.client)
-
-    def overlay_layers(self) -> Any:
-        """The overlay mode's host side (layer store, image bases); made at first use."""
-        if self._overlay is None:
             from branchgym.envs.swebench.docker_overlay import OverlayLayers
 
-            self._overlay = OverlayLayers(self)
-        return self._overlay
+            self.overlay = OverlayLayers(self)
+        prune_stale(self.client)
 
     @property
     def kind(self) -> str:

@@ -187,13 +187,12 @@ class DockerOverlaySandbox(DockerSandbox):
         Sandbox.__init__(self)
         self.b = backend
         self.backend = "docker-overlay"
-        self._pid: tuple[Container, int] | None = None  # the container's init, on the host
         self._start(image_id, stack)
 
     def _start(self, image_id: str, stack: tuple[str, ...] | None) -> None:
         """A container of ``image_id`` and ``/testbed``'s layers, mounted after its start."""
         backend = self.b
-        hosts = backend.overlay_layers()
+        hosts = backend.overlay
         bottom, owner = hosts.base(image_id)
         info = backend.image_info(image_id)
         scratch = {"/tmp": _tmpfs(backend.limits.tmp, 0o1777)}
@@ -228,6 +227,8 @@ class DockerOverlaySandbox(DockerSandbox):
                 box.drop()
             raise
         self.box = boxes[0]
+        self._scratch = tuple(scratch)
+        self._host_pid: int | None = None  # the container's init as the host sees it
         if not hosts.checked:
             self._check_mounts(hosts)
 
@@ -295,12 +296,11 @@ class DockerOverlaySandbox(DockerSandbox):
 
     def _empty_scratch(self) -> None:
         """Delete what commands left in the scratch tmpfs mounts, from the host."""
-        if self._pid is None or self._pid[0] is not self.box:
+        if self._host_pid is None:
             self.box.c.reload()  # once per container: run() returns it as created
-            self._pid = (self.box, int(self.box.c.attrs["State"]["Pid"]))
-        pid = self._pid[1]
-        for folder in self.box.c.attrs.get("HostConfig", {}).get("Tmpfs") or {}:
-            root = f"/proc/{pid}/root{folder}"
+            self._host_pid = int(self.box.c.attrs["State"]["Pid"])
+        for folder in self._scratch:
+            root = f"/proc/{self._host_pid}/root{folder}"
             # rmtree removes links, never what they point at (fd-based on Linux).
             with os.scandir(root) as it:
                 for entry in it:

@@ -20,6 +20,16 @@ def task_by_name(tasks):
     return {t.repo.split("/")[1]: t for t in tasks}
 
 
+@pytest.fixture
+def host_victim(tmp_path):
+    """A host file (``<tmp>/outside/victim``, text "v") that links planted in a sandbox name."""
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    victim = outside / "victim"
+    victim.write_text("v")
+    return victim
+
+
 @pytest.fixture(scope="session")
 def checkout(tasks):
     repos = generated_repos()

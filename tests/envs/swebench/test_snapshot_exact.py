@@ -126,18 +126,15 @@ def test_fifos_hard_links_and_symlinks(sandbox):
     )
 
 
-def test_restore_follows_no_link_the_agent_planted(sandbox, tmp_path):
+def test_restore_follows_no_link_the_agent_planted(sandbox, host_victim):
     # Restore runs as root on the host (git) or in the container (docker-git): names the
     # agent swapped for symlinks to outside files must not make it write there.
-    outside = tmp_path / "outside"
-    outside.mkdir()
-    (outside / "victim").write_text("v")
-    st = os.lstat(outside / "victim")
+    victim, outside = host_victim, host_victim.parent
+    st = os.lstat(victim)
     before = (st.st_nlink, stat.S_IMODE(st.st_mode), "v")
     run(sandbox, "echo h > h1 && ln h1 h2 && mkdir -p d/e && mkfifo d/p && chmod 600 h1")
     fp = fingerprint_of(sandbox)
     snap = sandbox.snapshot()
-    victim = outside / "victim"
     for name in ("h1", "h2", "d"):
         target = sandbox.host_dir / name
         if target.is_dir():
@@ -153,14 +150,11 @@ def test_restore_follows_no_link_the_agent_planted(sandbox, tmp_path):
     snap.release()
 
 
-def test_linking_hard_links_up_touches_no_host_file_through_a_planted_link(sandbox, tmp_path):
+def test_linking_hard_links_up_touches_no_host_file_through_a_planted_link(sandbox, host_victim):
     # At a snapshot the overlay backend chowns (a no-op owner change, which clears set-uid
     # bits) the other names of a hard link one name of which was written; a folder on
     # the way to such a name swapped for a link to the host must not lead it there.
-    outside = tmp_path / "outside"
-    outside.mkdir()
-    victim = outside / "victim"
-    victim.write_text("v")
+    victim, outside = host_victim, host_victim.parent
     os.chmod(victim, 0o4755)
     run(sandbox, "mkdir d && echo h > d/victim && ln d/victim h1")
     first = sandbox.snapshot()

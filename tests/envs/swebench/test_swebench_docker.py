@@ -77,10 +77,11 @@ def test_check_env_commit_mode(docker_ready):
 
 
 @pytest.mark.slow
-def test_check_env_git_mode(docker_ready):
+@pytest.mark.parametrize(("backend", "seed"), [("docker-git", 3), ("docker-overlay", 4)])
+def test_check_env_testbed_only_modes(docker_ready, backend, seed):
     report = check_env(
-        lambda: gym.make(ENV_ID, backend="docker-git", suggested_actions=PROBE_ACTIONS),
-        seed=3,
+        lambda: gym.make(ENV_ID, backend=backend, suggested_actions=PROBE_ACTIONS),
+        seed=seed,
         checks=("round_trip", "independence", "portability", "release"),
     )
     assert report.ok, str(report)
