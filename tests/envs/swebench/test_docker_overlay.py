@@ -122,3 +122,17 @@ def test_close_leaves_no_mount_layer_or_container(backend, task_by_name, checkou
     docker_backend.wait_idle()
     assert set(list_local_mounts()) - before == set()
     assert docker_backend.owned_resources(pid=os.getpid())["containers"] == []
+
+
+def test_refused_with_the_alternatives_where_overlayfs_cannot_be_mounted(
+    docker_available, monkeypatch
+):
+    from branchgym.envs.swebench import docker_overlay
+    from branchgym.envs.swebench.docker_backend import DockerBackend
+    from branchgym.error import SandboxUnavailableError
+
+    monkeypatch.setattr(docker_overlay, "overlay_support", lambda root: (False, "no privilege"))
+    with pytest.raises(SandboxUnavailableError, match="no privilege.*backend='docker' or"):
+        DockerBackend(snapshot_mode="overlay")
+    with pytest.raises(SandboxError, match="'commit', 'git' or 'overlay'"):
+        DockerBackend(snapshot_mode="overlayfs")
