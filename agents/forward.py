@@ -30,6 +30,7 @@ import dataclasses
 from collections.abc import Sequence
 from typing import Any
 
+from branchgym.agents.flat_forward import flat_forward, flat_supported
 from branchgym.agents.level_forward import (
     CALL_COST,
     call_shapes,
@@ -110,12 +111,15 @@ def packed_forward(
     ``dense_mask`` gives plain packs the 4-D mask too (the same causal pattern; the
     benchmark's same-tokens comparison of the two paths).
 
-    Packs with side branches may instead go through a few calls over a key/value cache
+    Packs with side branches are read flat where the model allows it (``cut=FLAT``,
+    :func:`~branchgym.agents.flat_forward.flat_forward`: one row of exactly their tokens,
+    attention per piece; :func:`~branchgym.agents.flat_forward.flat_supported`), or else
+    through a few calls over a key/value cache
     (:func:`~branchgym.agents.level_forward.level_forward` at ``cut``: each branch is
     handed what it continues as a cache, so it attends only what it sees): ``cut=None``
-    picks the cheaper of that and the dense mask (:func:`best_cut`) where the model allows
-    it (:func:`~branchgym.agents.level_forward.levels_supported`); ``cut=0`` (or
-    ``dense_mask``) forces the one-call dense 4-D mask.
+    picks flat, or the cheaper of the cache and the dense mask (:func:`best_cut`) where
+    the model allows it (:func:`~branchgym.agents.level_forward.levels_supported`);
+    ``cut=0`` (or ``dense_mask``) forces the one-call dense 4-D mask.
 
     Returns:
         Per pack, a tensor of its targets' log-probs; and per pack the full next-token
@@ -125,7 +129,9 @@ def packed_forward(
     branched = dense_mask or any(p.segments for p in packs)
     if cut is None:
         cut = 0
-        if branched and not dense_mask and levels_supported(model, base):
+        if branched and not dense_mask and flat_supported(model, base):
+            cut = FLAT
+        elif branched and not dense_mask and levels_supported(model, base):
             cut = best_cut(packs, pair_cost(model))
     if cut:
         return _level_scores(base, head, packs, device, logit_positions, cut)
@@ -202,8 +208,15 @@ def _level_scores(
     logit_positions: Sequence[Sequence[int]] | None,
     cut: int,
 ) -> tuple[list[Tensor], list[Tensor]]:
-    """:func:`packed_forward` through :func:`~branchgym.agents.level_forward.level_forward`."""
-    hidden = level_forward(base, packs, device, cut=cut)
+    """:func:`packed_forward` over a key/value cache (``cut >= 1``) or flat (``cut = FLAT``).
+
+    :func:`~branchgym.agents.level_forward.level_forward` or
+    :func:`~branchgym.agents.flat_forward.flat_forward` computes the hidden states.
+    """
+    if cut == FLAT:
+        hidden = flat_forward(base, packs, device)
+    else:
+        hidden = level_forward(base, packs, device, cut=cut)
     rows, cols, tgt = _scored(packs, logit_positions)
     offsets = [0]
     for p in packs:
@@ -390,6 +403,7 @@ def plan_packs(
     *,
     pair: float = 1e-3,
     levels: bool = False,
+    flat: bool = False,
 ) -> tuple[list[Pack], list[PackedTree]]:
     """The packs a forward pass reads: each tree's rows merged by :func:`pack_trees` where it pays.
 
@@ -401,6 +415,11 @@ def plan_packs(
     read, never a log-prob. ``trees=None`` keeps every pack. ``levels``: a merged pack
     may also be read over a key/value cache (:func:`packed_forward`'s ``cut``), where it
     attends about what its rows attend; it is priced at the cheaper of the two reads.
+    ``flat``: the packs will be read flat (:data:`FLAT`), where a token costs the same
+    whatever pack holds it and attention is priced per piece, so merging always pays:
+    every tree goes into one token trie with the trees before it (a prompt or system
+    prompt that several trees share is read once too), one trie per
+    :data:`FORWARD_TOKENS` of trees.
 
     Returns:
         The packs and, per input pack, where it went (:class:`PackedTree`).
@@ -408,6 +427,8 @@ def plan_packs(
     if trees is None:
         plain = list(packs)
         return plain, [PackedTree(i, 0, list(range(len(p.tokens)))) for i, p in enumerate(plain)]
+    if flat:
+        return pack_trees(packs, _budget_groups(packs, trees))
 
     def tree_cost(ps: Sequence[Pack]) -> float:
         if not levels:
@@ -443,6 +464,26 @@ def plan_packs(
     return out, [w for w in placed if w is not None]
 
 
+def _budget_groups(packs: Sequence[Pack], trees: Sequence[Any]) -> list[int]:
+    """A key per pack: consecutive trees share one while their unique tokens fit.
+
+    The budget is :data:`FORWARD_TOKENS`; a larger tree keeps a key of its own.
+    """
+    members: dict[Any, list[int]] = {}
+    for i, key in enumerate(trees):
+        members.setdefault(key, []).append(i)
+    group_of: dict[Any, int] = {}
+    group, used = 0, 0
+    for key, own in members.items():
+        merged, _ = pack_trees([packs[i] for i in own], [0] * len(own))
+        size = len(merged[0].tokens)
+        if used and used + size > FORWARD_TOKENS:
+            group, used = group + 1, 0
+        group_of[key] = group
+        used += size
+    return [group_of[key] for key in trees]
+
+
 def packing_exact(model: Any) -> str | None:
     """None when the model computes packed passes exactly; else why it does not.
 
@@ -466,6 +507,10 @@ def packing_exact(model: Any) -> str | None:
         return "the model has sliding-window layers, which a custom 4-D mask bypasses"
     return None
 
+
+#: :func:`packed_forward`'s ``cut`` of the flat read
+#: (:func:`~branchgym.agents.flat_forward.flat_forward`: every token once, no padding).
+FLAT = -1
 
 #: Padded tokens (rows x longest row) per forward pass of :func:`bucketed_forward`.
 FORWARD_TOKENS = 8_192
@@ -507,8 +552,13 @@ def bucketed_forward(
     passes, so plain rows keep the causal path.
     """
     if trees is not None:
+        base = backbone(model)[0]
         merged, where = plan_packs(
-            packs, trees, pair=pair_cost(model), levels=levels_supported(model, backbone(model)[0])
+            packs,
+            trees,
+            pair=pair_cost(model),
+            levels=levels_supported(model, base),
+            flat=flat_supported(model, base),
         )
         positions = None
         if logit_positions is not None:

@@ -74,6 +74,7 @@ from branchgym.agents.distributed import (
     save_sharded,
 )
 from branchgym.agents.evaluation import SUCCESS_KEYS, EvalResult, evaluate, success_of
+from branchgym.agents.flat_forward import flat_supported
 from branchgym.agents.forward import (
     FORWARD_TOKENS,
     Pack,
@@ -769,8 +770,11 @@ class Run:
         """Tokens one pass of the policy over the batch reads, against its distinct tokens.
 
         ``tokens/learner``: the tokens the forward passes read, chunked as the update
-        chunks them; ``tokens/unique``: every tree's rows with each shared prefix once.
-        They are equal when tree packing is on and no chunk splits a tree.
+        chunks them; ``tokens/unique``: each mini-batch's rows in one token trie, each
+        shared prefix once (within a tree, and across trees: a prompt or system prompt
+        that several trees share). They are equal when tree packing is on, the model is
+        read flat (``flat_forward.flat_supported``) and no chunk or forward budget splits
+        a mini-batch.
         """
 
         def packs(rows: Sequence[Row]) -> tuple[list[Pack], list[int]]:
@@ -778,19 +782,21 @@ class Run:
             out, _ = self.kind.packs(self.policy, [s for _, s in pieces])
             return out, [r.tree for r, _ in pieces]
 
-        pair, learner = pair_cost(self.model), 0
-        # the update's plan: a key/value-cache read of merged packs unless checkpointing
-        levels = levels_supported(self.model, backbone(self.model)[0])
-        levels = levels and not self.args.gradient_checkpointing
+        pair, learner, unique = pair_cost(self.model), 0, 0
+        # the update's plan: a flat or key/value-cache read of merged packs unless
+        # checkpointing
+        base = backbone(self.model)[0]
+        levels = levels_supported(self.model, base) and not self.args.gradient_checkpointing
+        flat = flat_supported(self.model, base) and not self.args.gradient_checkpointing
         for mb in {tuple(m) for m in batch.minibatches(self.args.updates_per_batch)}:
             for c in self.chunks(batch, list(mb)):
                 ps, keys = packs([batch.rows[r] for r in c])
                 read, _ = plan_packs(
-                    ps, keys if self.args.pack_trees else None, pair=pair, levels=levels
+                    ps, keys if self.args.pack_trees else None, pair=pair, levels=levels, flat=flat
                 )
                 learner += sum(len(p.tokens) for p in read)
-        ps, keys = packs(batch.rows)
-        unique = sum(len(p.tokens) for p in pack_trees(ps, keys)[0]) if ps else 0
+            ps, _ = packs([batch.rows[r] for r in mb])
+            unique += sum(len(p.tokens) for p in pack_trees(ps, [0] * len(ps))[0]) if ps else 0
         return {"tokens/learner": float(learner), "tokens/unique": float(unique)}
 
     # ---------------------------------------------------------------- the loop
