@@ -339,6 +339,8 @@ class HFEngine:
         from transformers import DynamicCache
 
         use = self.prefix_cache_entries > 0
+        if use:
+            self._prefill_shared([tuple(int(t) for t in p) for p, _ in jobs])
         found = []
         for prompt, _ in jobs:
             key = tuple(int(t) for t in prompt)
@@ -419,6 +421,36 @@ class HFEngine:
                     torch.cat([last, rows[prompt_new:]], dim=0),
                 )
         return out  # type: ignore[return-value]
+
+    def _prefill_shared(self, keys: Sequence[tuple[int, ...]]) -> None:
+        """Prefill once the prefix that every prompt of a batched call starts with.
+
+        Several trees or groups often start from one prompt (or one system prompt): left
+        to the batched prefill, each would compute it again. Prefilled here into the
+        prefix cache, every job then finds it there. Only when two or more prompts have
+        it uncached.
+        """
+        if len(keys) < 2:
+            return
+        first = keys[0]
+        n = min(len(k) for k in keys)
+        for k in keys[1:]:
+            i = 0
+            while i < n and k[i] == first[i]:
+                i += 1
+            n = i
+            if not n:
+                return
+        shared = first[:n]
+        cached = self._lookup_length(shared)
+        if cached < n and sum(self._lookup_length(k) < n for k in keys) >= 2:
+            self._prefill(shared, True)
+
+    def _lookup_length(self, ids: tuple[int, ...]) -> int:
+        """Length of the longest cached prefix of ``ids`` (no copy, no LRU move)."""
+        return max(
+            (len(k) for k in self._cache if len(k) <= len(ids) and ids[: len(k)] == k), default=0
+        )
 
     def _prefix_stats(
         self, prefix: list[int], rows: torch.Tensor
