@@ -6,7 +6,7 @@ sequence with the causal mask, or as one packed sequence per tree (``agents/forw
 the context it had in its own row. The study times forward + backward of ``--groups``
 groups (default one) of ``--rows`` rows (a prompt of ``--prompt`` tokens shared by a
 group, ``--completion`` tokens each, its completion's tokens scored as a learner scores
-them) four ways:
+them) five ways:
 
 * ``rows, causal``: the plain path (a 2-D padding mask; the model's causal attention);
 * ``rows, 4-D mask``: the same sequences with an explicit 4-D mask of the same pattern,
@@ -15,7 +15,10 @@ them) four ways:
   in one call with a dense 4-D mask;
 * ``tree, KV cache``: the same packed sequence in a few calls (``agents/level_forward.py``):
   the prompt first, then the branches with the prompt's keys and values as a cache, so
-  a branch attends only what it sees.
+  a branch attends only what it sees;
+* ``tree, flat``: every group in one token trie (a prompt the groups share is read once)
+  read as one unpadded row (``agents/flat_forward.py``): each token once through the
+  linear layers, attention per piece; the learners' default where the model allows it.
 
 It prints tokens read, seconds, tokens/s (what a token costs on that path) and row tokens/s
 (the rows' tokens over the time: the throughput a learner sees), the largest log-prob
@@ -106,7 +109,10 @@ def main(args: argparse.Namespace) -> int:
     """Run the study and write ``<out>/packing.md``."""
     import torch
 
+    from branchgym.agents.flat_forward import flat_supported
     from branchgym.agents.forward import (
+        FLAT,
+        backbone,
         best_cut,
         pack_trees,
         packed_forward,
@@ -118,7 +124,7 @@ def main(args: argparse.Namespace) -> int:
 
     torch.set_num_threads(args.threads)
     cpu = torch.device("cpu")
-    report = Report(args.out, "packing", "Packed 4-D mask path vs plain causal rows")
+    report = Report(args.out, "packing", "Packed reads vs plain causal rows")
     report.add(
         f"{args.groups} group(s) of {args.rows} rows, forward + backward of every token's "
         "log-prob, "
@@ -154,10 +160,14 @@ def main(args: argparse.Namespace) -> int:
         for prompt, completion in loads:
             packs, keys = _workload(args.rows, prompt, completion, len(tok), args.groups)
             merged, _ = pack_trees(packs, keys)
-            picked, _ = plan_packs(packs, keys, pair=pair, levels=True)
+            flat_ok = flat_supported(model, backbone(model)[0])
+            picked, _ = plan_packs(packs, keys, pair=pair, levels=True, flat=flat_ok)
+            one_trie, _ = plan_packs(packs, keys, flat=True)
             cut = best_cut(picked, pair)
             plan = "rows"
-            if len(picked) < len(packs):
+            if flat_ok:
+                plan = f"{len(picked)} pack(s), flat"
+            elif len(picked) < len(packs):
                 plan = f"{len(picked)} pack(s), " + (f"cache cut {cut}" if cut else "dense")
             size = f"{prompt}+{args.rows}x{completion}"
             if args.groups > 1:
@@ -171,6 +181,7 @@ def main(args: argparse.Namespace) -> int:
                 ("rows, 4-D mask", packs, {"dense_mask": True}),
                 ("tree, 4-D mask", merged, {"cut": 0}),
                 ("tree, KV cache", merged, {"cut": max(1, best_cut(merged, pair))}),
+                *([("tree, flat", one_trie, {"cut": FLAT})] if flat_ok else []),
             ):
                 secs, lps = _time(functools.partial(step, ps, options), args.repeats)
                 flat = torch.cat(lps)

@@ -99,8 +99,10 @@ def configure(parser: argparse.ArgumentParser) -> None:
 def unique_tokens(groups: Sequence[Sequence[Sequence[int]]]) -> int:
     """Tokens of each group's sequences in a token trie (a shared prefix counted once).
 
-    ``groups``: per group (a prompt's completions, a tree's paths), the token ids of its
-    rows. Groups do not share with each other, as a learner packs one tree at a time.
+    ``groups``: per group, the token ids of its rows; groups do not share with each
+    other. The study passes a step's rows as one group, as branchgym's learners read
+    them (``Run.token_counts``: one trie per mini-batch, across trees, so a prompt
+    several groups start from counts once).
     """
     total = 0
     for rows in groups:
@@ -336,11 +338,10 @@ def _trl_grpo(args: argparse.Namespace, workload: dict[str, Any], out: str) -> d
 
     def count(o: dict[str, Any]) -> dict[str, float]:
         rows = _rows(o)
-        groups = [rows[i : i + n] for i in range(0, len(rows), n)]
         return {
             "generated": float(o["completion_mask"].sum()),
             "learner": float(sum(map(len, rows))),
-            "unique": float(unique_tokens(groups)),
+            "unique": float(unique_tokens([rows])),  # the step's rows in one trie
         }
 
     clock.wrap_hook(trainer, count)
@@ -399,7 +400,7 @@ def _trl_branching(args: argparse.Namespace, workload: dict[str, Any], out: str)
         return {
             "generated": float(sum(t.stats.generated_tokens for t in batch.trees)),
             "learner": float(sum(map(len, _rows(o)))),
-            "unique": float(unique_tokens(list(trees.values()))),
+            "unique": float(unique_tokens([[r for rows in trees.values() for r in rows]])),
         }
 
     clock.wrap_hook(trainer, count)

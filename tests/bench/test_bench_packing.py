@@ -18,11 +18,11 @@ def test_packing_study_runs_and_the_paths_agree(tmp_path):
     assert main(argv) == 0
     data = json.loads((tmp_path / "packing.json").read_text())
     rows = data["rows"]
-    paths = ["rows, causal", "rows, 4-D mask", "tree, 4-D mask", "tree, KV cache"]
-    assert [r["path"] for r in rows[:4]] == paths
-    assert len(rows) == 8  # two workloads
-    assert rows[2]["tokens"] == rows[3]["tokens"] == 16 + 3 * 4  # the prompt read once
+    paths = ["rows, causal", "rows, 4-D mask", "tree, 4-D mask", "tree, KV cache", "tree, flat"]
+    assert [r["path"] for r in rows[:5]] == paths
+    assert len(rows) == 10  # two workloads
+    assert rows[2]["tokens"] == rows[3]["tokens"] == rows[4]["tokens"] == 16 + 3 * 4
     assert all(float(r["max abs dlogp"]) < 1e-4 for r in rows)  # the same log-probs
-    # a 16-token prompt shared by 3 rows pays, read one way or the other
-    assert rows[2]["plan picks"].startswith("1 pack(s), ")
+    # the tiny model is read flat: one trie, the prompt once
+    assert rows[2]["plan picks"] == "1 pack(s), flat"
     assert data["tiny"]["exact"]
