@@ -35,6 +35,8 @@ from __future__ import annotations
 import collections
 import copy
 import dataclasses
+import functools
+import inspect
 import os
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -83,6 +85,87 @@ def _stats(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor, to
     top = top - torch.logsumexp(top, dim=-1, keepdim=True)
     ent_k = -(top.exp() * top).sum(-1)
     return lp, ent, ent_k
+
+
+def _room_cache(layers: Sequence[tuple[torch.Tensor, torch.Tensor]], room: int) -> Any:
+    """A ``DynamicCache`` of ``layers`` (keys, values) with ``room`` free positions each.
+
+    transformers' ``DynamicLayer`` appends a decode step's keys and values by
+    concatenation, which copies (and on CPU freshly allocates) every layer's whole cache
+    at every token: measured here, that was half of a 28-row decode's time. These layers
+    write each step into room allocated once, and hand attention views of it.
+    """
+    from transformers import DynamicCache
+
+    cache = DynamicCache()
+    kind = _room_layer_class()
+    cache.layers = []
+    for k, v in layers:
+        layer = kind()
+        layer.fill(k, v, room)
+        cache.layers.append(layer)
+    return cache
+
+
+@functools.cache
+def _room_layer_class() -> type:
+    """:func:`_room_cache`'s layer class (made on first use: transformers loads lazily)."""
+    from transformers.cache_utils import DynamicLayer
+
+    class RoomLayer(DynamicLayer):
+        """A ``DynamicLayer`` whose keys and values are views of preallocated buffers."""
+
+        def fill(self, keys: torch.Tensor, values: torch.Tensor, room: int) -> None:
+            """Hold a copy of ``keys`` and ``values`` with ``room`` free positions after them."""
+            b, h, n, _ = keys.shape
+            buf_k = keys.new_empty((b, h, n + room, keys.shape[-1]))
+            buf_v = values.new_empty((b, h, n + room, values.shape[-1]))
+            buf_k[:, :, :n] = keys
+            buf_v[:, :, :n] = values
+            self.hold(buf_k, buf_v, n)
+
+        def hold(self, buf_k: torch.Tensor, buf_v: torch.Tensor, length: int) -> None:
+            """Use ``buf_k``, ``buf_v`` as the buffers; their first ``length`` positions are set."""
+            self.buf_k, self.buf_v, self.length = buf_k, buf_v, int(length)
+            self.dtype, self.device = buf_k.dtype, buf_k.device
+            self.is_initialized = True
+            self._views()
+
+        def _views(self) -> None:
+            self.keys = self.buf_k[:, :, : self.length]
+            self.values = self.buf_v[:, :, : self.length]
+
+        def update(
+            self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kw: Any
+        ) -> tuple[torch.Tensor, torch.Tensor]:
+            end = self.length + key_states.shape[-2]
+            if end > self.buf_k.shape[-2]:  # out of room: copy into twice the room, once
+                self.fill(self.keys, self.values, max(key_states.shape[-2], self.length))
+            self.buf_k[:, :, self.length : end] = key_states
+            self.buf_v[:, :, self.length : end] = value_states
+            self.length = end
+            self._views()
+            return self.keys, self.values
+
+        def batch_select_indices(self, indices: torch.Tensor) -> None:
+            self.buf_k, self.buf_v = self.buf_k[indices], self.buf_v[indices]
+            self._views()
+
+        def batch_repeat_interleave(self, repeats: int) -> None:
+            self.buf_k = self.buf_k.repeat_interleave(repeats, dim=0)
+            self.buf_v = self.buf_v.repeat_interleave(repeats, dim=0)
+            self._views()
+
+        def crop(self, tokens_to_remove: int) -> None:
+            self.length = max(0, self.length - abs(int(tokens_to_remove)))
+            self._views()
+
+    return RoomLayer
+
+
+#: A batched decode drops its stopped rows once they are more than this share of the
+#: batch (dropping copies every layer's cache; keeping a stopped row costs its compute).
+DROP_SHARE = 0.25
 
 
 @dataclasses.dataclass
@@ -176,6 +259,8 @@ class HFEngine:
             collections.OrderedDict()
         )
         self.max_positions = int(getattr(model.config, "max_position_embeddings", 1 << 30))
+        # transformers' causal LMs compute the output layer on the last rows only when asked
+        self._keeps_logits = "logits_to_keep" in inspect.signature(model.forward).parameters
         self.stats = {"prefill_tokens": 0, "cached_tokens": 0, "decode_steps": 0}
 
     @classmethod
@@ -213,8 +298,10 @@ class HFEngine:
         while len(self._cache) > max(self.prefix_cache_entries, self._working_set):
             self._cache.popitem(last=False)
 
-    def _forward(self, ids: torch.Tensor, cache: Any) -> tuple[torch.Tensor, Any]:
-        out = self.model(input_ids=ids, past_key_values=cache, use_cache=True)
+    def _forward(self, ids: torch.Tensor, cache: Any, keep: int = 0) -> tuple[torch.Tensor, Any]:
+        """Logits and cache after ``ids``; with ``keep``, logits of the last ``keep`` only."""
+        extra = {"logits_to_keep": keep} if keep and self._keeps_logits else {}
+        out = self.model(input_ids=ids, past_key_values=cache, use_cache=True, **extra)
         return out.logits, out.past_key_values
 
     def _prefill(self, ids: Sequence[int], use_cache: bool) -> tuple[Any, torch.Tensor]:
@@ -229,6 +316,7 @@ class HFEngine:
         logits, cache = self._forward(
             torch.tensor([key[start:]], device=self.device),
             cache if cache is not None else DynamicCache(),
+            keep=1,  # only the last row predicts: the prompt's own rows are not needed
         )
         self.stats["prefill_tokens"] += len(key) - start
         self.stats["cached_tokens"] += start
@@ -385,16 +473,22 @@ class HFEngine:
                         vs.append(torch.nn.functional.pad(cache.layers[li].values, pad))
                     layers.append((torch.cat(ks), torch.cat(vs)))
                 past = DynamicCache(ddp_cache_data=layers)
+            # the output layer on the rows that predict: each job's forced prefix and the
+            # row before it (all rows end in the last column), not its prompt's rows
+            width = min(ws, 1 + max(len(jobs[i][1]) for i in todo))
+            extra = {"logits_to_keep": width} if self._keeps_logits else {}
             res = self.model(
                 input_ids=ids,
                 attention_mask=mask,
                 position_ids=pos,
                 past_key_values=past,
                 use_cache=True,
+                **extra,
             )
-            logits, full = res.logits, res.past_key_values
+            logits, full = res.logits[:, -width:], res.past_key_values
             for r, (i, start, tail) in enumerate(zip(todo, starts, tails, strict=True)):
                 key, _, _, last = found[i]
+                forced = len(jobs[i][1])
                 prompt_new = len(key) - start
                 self.stats["prefill_tokens"] += len(tail)
                 self.stats["cached_tokens"] += start
@@ -403,9 +497,10 @@ class HFEngine:
                     (lay.keys[r : r + 1, :, keep], lay.values[r : r + 1, :, keep])
                     for lay in full.layers
                 ]
-                rows = logits[r, ws - len(tail) :]  # predicts each tail token's successor
+                # rows from the prompt's last token on (one per forced token, then the next)
+                rows = logits[r, width - forced - (1 if prompt_new else 0) :]
                 if prompt_new:
-                    last = rows[prompt_new - 1 : prompt_new].clone()
+                    last, rows = rows[:1].clone(), rows[1:]
                     if use:
                         n_key = len(key)
                         self._store(
@@ -415,11 +510,7 @@ class HFEngine:
                             ),
                             last,
                         )
-                # rows from the prompt's last token on: one per forced prefix token, then the next
-                out[i] = (
-                    DynamicCache(ddp_cache_data=data),
-                    torch.cat([last, rows[prompt_new:]], dim=0),
-                )
+                out[i] = (DynamicCache(ddp_cache_data=data), torch.cat([last, rows], dim=0))
         return out  # type: ignore[return-value]
 
     def _prefill_shared(self, keys: Sequence[tuple[int, ...]]) -> None:
@@ -482,14 +573,18 @@ class HFEngine:
         self._check_length(len(ctx), limit)
         if reuse:
             cache, rows = self._open(prompt, prefix)
-            if n > 1:
-                cache.batch_repeat_interleave(n)
+            cache = _room_cache(
+                [(lay.keys.expand(n, -1, -1, -1), lay.values.expand(n, -1, -1, -1))
+                 for lay in cache.layers],
+                limit,
+            )  # fmt: skip
         else:  # recompute the shared context once per sample, as independent requests do
             from transformers import DynamicCache
 
             logits, cache = self._forward(
                 torch.tensor([ctx] * n, device=self.device), DynamicCache()
             )
+            cache = _room_cache([(lay.keys, lay.values) for lay in cache.layers], limit)
             self.stats["prefill_tokens"] += n * len(ctx)
             rows = logits[0, len(prompt) - 1 :]
         pre = self._prefix_stats(prefix, rows)
@@ -520,10 +615,10 @@ class HFEngine:
         row's own positions. Job j draws
         its noise ``(n_j, V)`` from its own generator at every step until all its rows
         stop, exactly as :meth:`_sample` does, so both paths sample the same tokens (both
-        decode in :meth:`_decode`).
+        decode in :meth:`_decode`). Stopped rows leave the batch once they are more than
+        :data:`DROP_SHARE` of it (dropping copies the cache; a stopped row in the batch
+        costs only its compute, and its samples are ignored).
         """
-        from transformers import DynamicCache
-
         for prompt, prefix, _, _ in jobs:
             if not prompt:
                 raise EngineError("an empty prompt cannot be continued; give at least one token")
@@ -534,16 +629,22 @@ class HFEngine:
         counts = [k for _, _, k, _ in jobs]
         width, total = max(lens), sum(counts)
         dev = self.device
-        layers = []
+        cache = _room_cache([], 0)
+        kind = _room_layer_class()
         for li in range(len(opened[0][0].layers)):
-            ks, vs = [], []
-            for (cache, _), length, k in zip(opened, lens, counts, strict=True):
-                layer = cache.layers[li]
-                pad = (0, 0, width - length, 0)  # left-pad the sequence axis (dim -2)
-                ks.append(torch.nn.functional.pad(layer.keys, pad).expand(k, -1, -1, -1))
-                vs.append(torch.nn.functional.pad(layer.values, pad).expand(k, -1, -1, -1))
-            layers.append((torch.cat(ks), torch.cat(vs)))
-        cache = DynamicCache(ddp_cache_data=layers)
+            ref = opened[0][0].layers[li]
+            heads = ref.keys.shape[1]
+            keys = ref.keys.new_zeros((total, heads, width + limit, ref.keys.shape[-1]))
+            values = ref.values.new_zeros((total, heads, width + limit, ref.values.shape[-1]))
+            row = 0
+            for (one, _), length, k in zip(opened, lens, counts, strict=True):
+                # left-padded to the longest context: each job's rows end at `width`
+                keys[row : row + k, :, width - length : width] = one.layers[li].keys
+                values[row : row + k, :, width - length : width] = one.layers[li].values
+                row += k
+            layer = kind()
+            layer.hold(keys, values, width)
+            cache.layers.append(layer)
         mask = torch.zeros(total, width, dtype=torch.long, device=dev)
         owner, first = [], []
         for j, (length, k) in enumerate(zip(lens, counts, strict=True)):
@@ -575,7 +676,7 @@ class HFEngine:
             nxt: torch.Tensor, active: list[int], keep: list[int]
         ) -> tuple[torch.Tensor, list[int]]:
             nonlocal cache, mask, pos
-            if len(keep) < len(active):  # stopped rows leave the batch
+            if len(keep) < (1 - DROP_SHARE) * len(active):  # stopped rows leave the batch
                 idx = torch.tensor(keep, device=dev)
                 cache.batch_select_indices(idx)
                 mask, pos, nxt = mask[idx], pos[idx], nxt[idx]

@@ -65,6 +65,34 @@ def test_logprobs_and_entropies_match_a_direct_forward_pass(engine, tiny):
     np.testing.assert_allclose(ent, gens[0].entropies, atol=1e-4)
 
 
+def test_room_cache_holds_what_a_dynamic_cache_holds():
+    from transformers.cache_utils import DynamicLayer
+
+    from branchgym.agents.engines.hf import _room_cache
+
+    g = torch.Generator().manual_seed(0)
+    k0, v0 = torch.randn(3, 2, 4, 5, generator=g), torch.randn(3, 2, 4, 5, generator=g)
+    room = _room_cache([(k0, v0)], 2).layers[0]  # room for two, then it must grow
+    plain = DynamicLayer()
+    plain.update(k0, v0)
+    for q in (1, 1, 3, 1):  # the third outgrows the room, the fourth lands in the grown room
+        k, v = torch.randn(3, 2, q, 5, generator=g), torch.randn(3, 2, q, 5, generator=g)
+        got, want = room.update(k, v), plain.update(k, v)
+        for a, b in zip(got, want, strict=True):
+            assert torch.equal(a, b)
+        assert room.get_seq_length() == plain.get_seq_length()
+    idx = torch.tensor([2, 0])
+    room.batch_select_indices(idx)
+    plain.batch_select_indices(idx)
+    room.batch_repeat_interleave(2)
+    plain.batch_repeat_interleave(2)
+    room.crop(-3)
+    plain.crop(-3)
+    assert torch.equal(room.keys, plain.keys) and torch.equal(room.values, plain.values)
+    k, v = torch.ones(4, 2, 1, 5), torch.zeros(4, 2, 1, 5)
+    assert torch.equal(room.update(k, v)[0], plain.update(k, v)[0])
+
+
 def test_prefix_reuse_gives_the_same_samples_and_logprobs(engine):
     p = prompt(engine)
     without = engine.generate([p], 4, seed=7, reuse_prefix=False)[0]
