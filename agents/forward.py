@@ -37,6 +37,7 @@ from branchgym.agents.level_forward import (
     level_forward,
     levels_supported,
 )
+from branchgym.agents.target_logprobs import fusable, target_logprobs
 from branchgym.error import DependencyMissingError, TrainingConfigError
 
 try:
@@ -172,7 +173,7 @@ def packed_forward(
         hidden = base(
             input_ids=ids, attention_mask=att, position_ids=pos, use_cache=False
         ).last_hidden_state
-        logits = head(hidden[r, c])
+        return _head_scores(head, hidden[r, c], packs, tgt, logit_positions, device)
     else:  # a model without a separate head: the full logits
         logits = model(input_ids=ids, attention_mask=att, position_ids=pos).logits[r, c]
     return _picked(logits, packs, tgt, logit_positions, device)
@@ -222,8 +223,29 @@ def _level_scores(
     for p in packs:
         offsets.append(offsets[-1] + len(p.tokens))
     flat = torch.tensor([offsets[r] + c for r, c in zip(rows, cols, strict=True)], dtype=torch.long)
-    logits = head(hidden[flat.to(device)])
-    return _picked(logits, packs, tgt, logit_positions, device)
+    return _head_scores(head, hidden[flat.to(device)], packs, tgt, logit_positions, device)
+
+
+def _head_scores(
+    head: Any,
+    hidden: Tensor,
+    packs: Sequence[Pack],
+    tgt: list[int],
+    logit_positions: Sequence[Sequence[int]] | None,
+    device: torch.device,
+) -> tuple[list[Tensor], list[Tensor]]:
+    """:func:`_picked` from the scored rows' hidden states, through the output layer.
+
+    A plain linear head scores the targets without their (rows x V) logits
+    (:func:`~branchgym.agents.target_logprobs.target_logprobs`); the logit positions
+    (few) and any other head go through ``head`` itself.
+    """
+    n = len(tgt)
+    if not fusable(head):
+        return _picked(head(hidden), packs, tgt, logit_positions, device)
+    picked = target_logprobs(hidden[:n], head, torch.tensor(tgt, dtype=torch.long, device=device))
+    rest = head(hidden[n:]).float() if logit_positions else None
+    return _split(picked, rest, packs, logit_positions)
 
 
 def _picked(
@@ -239,13 +261,23 @@ def _picked(
     picked = torch.log_softmax(logits[:n], dim=-1).gather(
         -1, torch.tensor(tgt, dtype=torch.long, device=device)[:, None]
     )[:, 0]
+    return _split(picked, logits[n:], packs, logit_positions)
+
+
+def _split(
+    picked: Tensor,
+    rest: Tensor | None,
+    packs: Sequence[Pack],
+    logit_positions: Sequence[Sequence[int]] | None,
+) -> tuple[list[Tensor], list[Tensor]]:
+    """Per pack: its targets' log-probs (``picked``) and its logit rows (``rest``)."""
     out, extra, at = [], [], 0
     for p in packs:
         out.append(picked[at : at + len(p.targets)])
         at += len(p.targets)
-    at = n
+    at = 0
     for where in logit_positions or []:
-        extra.append(logits[at : at + len(where)])
+        extra.append(rest[at : at + len(where)])  # type: ignore[index]
         at += len(where)
     return out, extra
 
