@@ -95,34 +95,43 @@ def _room_cache(layers: Sequence[tuple[torch.Tensor, torch.Tensor]], room: int) 
     at every token: the first operator in a profile of a 28-row decode. These layers
     write each step into room allocated once, and hand attention views of it.
     """
+    length = layers[0][0].shape[-2] if layers else 0
+    return _held_cache([_with_room(k, v, room) for k, v in layers], length)
+
+
+def _with_room(
+    keys: torch.Tensor, values: torch.Tensor, room: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Copies of ``keys`` and ``values`` with ``room`` free positions after them."""
+    b, h, n, _ = keys.shape
+    buf_k = keys.new_empty((b, h, n + room, keys.shape[-1]))
+    buf_v = values.new_empty((b, h, n + room, values.shape[-1]))
+    buf_k[:, :, :n] = keys
+    buf_v[:, :, :n] = values
+    return buf_k, buf_v
+
+
+def _held_cache(buffers: Sequence[tuple[torch.Tensor, torch.Tensor]], length: int) -> Any:
+    """A ``DynamicCache`` whose layers hold ``buffers``, their first ``length`` positions set."""
     from transformers import DynamicCache
 
     cache = DynamicCache()
     kind = _room_layer_class()
     cache.layers = []
-    for k, v in layers:
+    for buf_k, buf_v in buffers:
         layer = kind()
-        layer.fill(k, v, room)
+        layer.hold(buf_k, buf_v, length)
         cache.layers.append(layer)
     return cache
 
 
 @functools.cache
 def _room_layer_class() -> type:
-    """:func:`_room_cache`'s layer class (made on first use: transformers loads lazily)."""
+    """:func:`_held_cache`'s layer class (made on first use: transformers loads lazily)."""
     from transformers.cache_utils import DynamicLayer
 
     class RoomLayer(DynamicLayer):
         """A ``DynamicLayer`` whose keys and values are views of preallocated buffers."""
-
-        def fill(self, keys: torch.Tensor, values: torch.Tensor, room: int) -> None:
-            """Hold a copy of ``keys`` and ``values`` with ``room`` free positions after them."""
-            b, h, n, _ = keys.shape
-            buf_k = keys.new_empty((b, h, n + room, keys.shape[-1]))
-            buf_v = values.new_empty((b, h, n + room, values.shape[-1]))
-            buf_k[:, :, :n] = keys
-            buf_v[:, :, :n] = values
-            self.hold(buf_k, buf_v, n)
 
         def hold(self, buf_k: torch.Tensor, buf_v: torch.Tensor, length: int) -> None:
             """Use ``buf_k``, ``buf_v`` as the buffers; their first ``length`` positions are set."""
@@ -140,7 +149,8 @@ def _room_layer_class() -> type:
         ) -> tuple[torch.Tensor, torch.Tensor]:
             end = self.length + key_states.shape[-2]
             if end > self.buf_k.shape[-2]:  # out of room: copy into twice the room, once
-                self.fill(self.keys, self.values, max(key_states.shape[-2], self.length))
+                room = max(key_states.shape[-2], self.length)
+                self.hold(*_with_room(self.keys, self.values, room), self.length)
             self.buf_k[:, :, self.length : end] = key_states
             self.buf_v[:, :, self.length : end] = value_states
             self.length = end
@@ -298,11 +308,18 @@ class HFEngine:
         while len(self._cache) > max(self.prefix_cache_entries, self._working_set):
             self._cache.popitem(last=False)
 
-    def _forward(self, ids: torch.Tensor, cache: Any, keep: int = 0) -> tuple[torch.Tensor, Any]:
-        """Logits and cache after ``ids``; with ``keep``, logits of the last ``keep`` only."""
-        extra = {"logits_to_keep": keep} if keep and self._keeps_logits else {}
-        out = self.model(input_ids=ids, past_key_values=cache, use_cache=True, **extra)
-        return out.logits, out.past_key_values
+    def _forward(
+        self, ids: torch.Tensor, cache: Any, keep: int = 0, **inputs: Any
+    ) -> tuple[torch.Tensor, Any]:
+        """Logits and cache after ``ids`` (``inputs``: mask, positions).
+
+        With ``keep``, the logits of the last ``keep`` positions only.
+        """
+        if keep and self._keeps_logits:
+            inputs["logits_to_keep"] = keep
+        out = self.model(input_ids=ids, past_key_values=cache, use_cache=True, **inputs)
+        logits = out.logits[:, -keep:] if keep else out.logits
+        return logits, out.past_key_values
 
     def _prefill(self, ids: Sequence[int], use_cache: bool) -> tuple[Any, torch.Tensor]:
         """KV cache of ``ids`` (batch 1) and the logits row that predicts the next token."""
@@ -476,16 +493,9 @@ class HFEngine:
             # the output layer on the rows that predict: each job's forced prefix and the
             # row before it (all rows end in the last column), not its prompt's rows
             width = min(ws, 1 + max(len(jobs[i][1]) for i in todo))
-            extra = {"logits_to_keep": width} if self._keeps_logits else {}
-            res = self.model(
-                input_ids=ids,
-                attention_mask=mask,
-                position_ids=pos,
-                past_key_values=past,
-                use_cache=True,
-                **extra,
+            logits, full = self._forward(
+                ids, past, keep=width, attention_mask=mask, position_ids=pos
             )
-            logits, full = res.logits[:, -width:], res.past_key_values
             for r, (i, start, tail) in enumerate(zip(todo, starts, tails, strict=True)):
                 key, _, _, last = found[i]
                 forced = len(jobs[i][1])
@@ -629,8 +639,7 @@ class HFEngine:
         counts = [k for _, _, k, _ in jobs]
         width, total = max(lens), sum(counts)
         dev = self.device
-        cache = _room_cache([], 0)
-        kind = _room_layer_class()
+        buffers = []
         for li in range(len(opened[0][0].layers)):
             ref = opened[0][0].layers[li]
             heads = ref.keys.shape[1]
@@ -642,9 +651,8 @@ class HFEngine:
                 keys[row : row + k, :, width - length : width] = one.layers[li].keys
                 values[row : row + k, :, width - length : width] = one.layers[li].values
                 row += k
-            layer = kind()
-            layer.hold(keys, values, width)
-            cache.layers.append(layer)
+            buffers.append((keys, values))
+        cache = _held_cache(buffers, width)
         mask = torch.zeros(total, width, dtype=torch.long, device=dev)
         owner, first = [], []
         for j, (length, k) in enumerate(zip(lens, counts, strict=True)):
