@@ -48,7 +48,7 @@ from branchgym.agents.run import (
     rollout_metrics,
 )
 from branchgym.rollout.grow import KEEP_MODES, group_rollouts, grow_tree
-from branchgym.rollout.schedules import ForkPoint
+from branchgym.rollout.schedules import ForkPoint, depths_schedule
 from branchgym.rollout.tree import ENTROPY_REDUCTIONS, RolloutTree
 
 __all__ = [
@@ -112,29 +112,11 @@ def root_even_schedule(
     return [ForkPoint(t, 0, float(t)) for t in sorted(steps)][:m]
 
 
-def depths_schedule(
-    tree: RolloutTree,
-    backbone: Sequence[int],
-    m: int,
-    rng: np.random.Generator,
-    *,
-    depths: Sequence[int] = (),
-) -> list[ForkPoint]:
-    """Branch at the decision depths ``depths``, fixed in advance, where the backbone is alive.
-
-    Whether the backbone branches at ``t`` depends only on whether it is still running
-    at ``t`` (decided by its state there, before its action at ``t``), so the lemma of
-    docs/estimators.md holds on envs whose episodes end at different lengths. A backbone
-    that ended before a depth gets no point there (and its planned lines cost nothing).
-    """
-    return [ForkPoint(int(t), 0, float(t)) for t in sorted(depths) if int(t) < len(backbone)]
-
-
-#: Schedules this learner adds to branchgym.rollout.schedules'.
+#: Schedules this learner adds to branchgym.rollout.schedules' (``depths`` lives there:
+#: it is planned, so trees overlap its siblings with the backbone).
 LOCAL_SCHEDULES = {
     "last": last_schedule,
     "root_even": root_even_schedule,
-    "depths": depths_schedule,
 }
 
 

@@ -62,7 +62,7 @@ from branchgym.rollout.executors import (
     make_executor,
 )
 from branchgym.rollout.policy import ActionSample, ActRequest, Context, Policy, Turn
-from branchgym.rollout.schedules import ForkPoint, get_schedule
+from branchgym.rollout.schedules import ForkPoint, get_schedule, planned_steps
 from branchgym.rollout.tree import ROOT, Node, RolloutTree
 
 __all__ = ["grow_tree", "group_rollouts", "spec_of", "KEEP_MODES"]
@@ -190,6 +190,8 @@ class _Line:
     stepped: bool = False  # has a node of its own in the tree
     moves: int = 0  # nodes this line has added
     rng: np.random.Generator | None = None  # this rollout's own random stream
+    phase: int = 0  # grow_tree: 0 the backbone, 1 a sibling (node numbering)
+    snap_at: frozenset[int] = frozenset()  # steps to snapshot before (a planned schedule)
 
 
 class _Engine:
@@ -218,15 +220,15 @@ class _Engine:
         # on the executor's capacity): every node gets a key (phase, moves of its line
         # before it, rollout) and number_nodes() renumbers the tree by it. That is the
         # order an in-process run with room for every line adds them in.
-        self.phase = 0  # grow_tree: 0 the backbone, 1 the siblings
+        # phase: grow_tree's backbone 0, its siblings 1 (whenever they ran)
         self.keys: list[tuple[int, int, int]] = []
 
-    def add(self, parent: int, moves: int, rollout: int, **fields: Any) -> Node:
+    def add(self, parent: int, moves: int, rollout: int, phase: int, **fields: Any) -> Node:
         """Add a node to the tree, keyed for :meth:`number_nodes`.
 
         ``moves`` is -1 for a leaf that records a rollout that could not start.
         """
-        self.keys.append((self.phase, moves, rollout))
+        self.keys.append((phase, moves, rollout))
         return self.tree.add(parent, rollout=rollout, **fields)
 
     def number_nodes(self) -> None:
@@ -249,9 +251,11 @@ class _Engine:
     def timeout_reason(self) -> str:
         return f"tree timeout: the tree ran past its {self.tree_timeout:g} s budget"
 
-    def record_not_run(self, parent: int, sibling: int, rollout: int, why: str) -> None:
+    def record_not_run(
+        self, parent: int, sibling: int, rollout: int, why: str, phase: int = 0
+    ) -> None:
         """A scheduled rollout that never ran: a leaf saying why (the group stays whole)."""
-        self.add(parent, -1, rollout, sibling=sibling, truncated=True, error=why)
+        self.add(parent, -1, rollout, phase, sibling=sibling, truncated=True, error=why)
         self.tree.stats.errors += 1
 
     # -- snapshot bookkeeping -----------------------------------------------------
@@ -272,13 +276,19 @@ class _Engine:
         for ref in list(self.live.values()):
             self.release(ref)
 
-    def snapshot_lines(self, lines: Sequence[_Line]) -> None:
+    def snapshot_lines(
+        self,
+        lines: Sequence[_Line],
+        forked: Callable[[_Line, SnapshotRef], None] | None = None,
+    ) -> None:
         outs = self.ex.snapshot([ln.session for ln in lines])
         for ln, o in zip(lines, outs, strict=True):
             self.tree.stats.snapshot_s += o.seconds
             if o.error is None and o.snapshot is not None:
                 self.track(o.snapshot)
                 ln.snaps[ln.context.step] = o.snapshot
+                if forked is not None and ln.context.step in ln.snap_at:
+                    forked(ln, o.snapshot)
             else:
                 self.tree.meta.setdefault("snapshot_errors", []).append(o.error)
 
@@ -289,6 +299,7 @@ class _Engine:
         refill: Callable[[int], list[_Line] | None] | None = None,
         capacity: int | None = None,
         bar: tqdm | None = None,
+        forked: Callable[[_Line, SnapshotRef], None] | None = None,
     ) -> list[_Line]:
         """Play lines to termination; ``refill(n)`` starts up to n more as lines end.
 
@@ -296,25 +307,29 @@ class _Engine:
         each failure is recorded in the tree) or None once nothing is left to start. It
         is called until the room is full or it returns None, so a run of failed restores
         never ends the tree while siblings are still waiting.
+
+        Before each turn, lines snapshot where they are due (every step, or the steps
+        of their ``snap_at``); ``forked(line, ref)`` hears of each ``snap_at`` snapshot
+        before ``refill`` runs, so siblings restored from it act in this same turn.
         """
         finished: list[_Line] = []
         active = list(lines)
         while True:
+            if active and self.expired:
+                self._cut(active)
+                finished.extend(active)
+                active = []
+            snap_now = [ln for ln in active if ln.snapshot_each or ln.context.step in ln.snap_at]
+            if snap_now:
+                self.snapshot_lines(snap_now, forked)
             if refill is not None and not self.expired:
                 while (room := (capacity or 1 << 30) - len(active)) > 0:
                     started = refill(room)
                     if started is None:
                         break
                     active.extend(started)
-            if active and self.expired:
-                self._cut(active)
-                finished.extend(active)
-                active = []
             if not active:
                 break
-            snap_now = [ln for ln in active if ln.snapshot_each]
-            if snap_now:
-                self.snapshot_lines(snap_now)
             samples, cost = self._act(active)
             outs = self.ex.step([ln.session for ln in active], [s.action for s in samples])
             still = []
@@ -323,6 +338,7 @@ class _Engine:
                     ln.parent,
                     ln.moves,
                     ln.rollout,
+                    ln.phase,
                     action=smp.action,
                     text=smp.text,
                     token_ids=smp.token_ids,
@@ -378,7 +394,7 @@ class _Engine:
                 node.error = node.error or why
                 self.tree.stats.errors += 1
             else:  # restored but not yet stepped: its leaf says why
-                self.record_not_run(ln.parent, ln.sibling, ln.rollout, why)
+                self.record_not_run(ln.parent, ln.sibling, ln.rollout, why, ln.phase)
         self.ex.close([ln.session for ln in lines])
 
     def _act(self, lines: Sequence[_Line]) -> tuple[list[ActionSample], float]:
@@ -498,6 +514,7 @@ def grow_tree(
     gamma: float = 1.0,
     env_seed: int | None = None,
     tree_timeout: float | None = DEFAULT_TREE_TIMEOUT,
+    overlap: bool | None = None,
 ) -> RolloutTree:
     """Grow one rollout tree: a backbone, then K-1 siblings at M branch points.
 
@@ -535,6 +552,17 @@ def grow_tree(
             new starts and running rollouts are cut; each is recorded with the reason
             (``node.error``), so every sibling group stays whole. Each sandbox call has
             its own limit too (the executor's ``timeout``).
+        overlap: Start each branch point's siblings as soon as the backbone reaches it,
+            so they act in the same policy calls as the backbone (one engine batch)
+            instead of after it. Only a *planned* schedule allows it (``depths``: its
+            points are fixed before the backbone exists, see
+            :func:`~branchgym.rollout.schedules.planned_steps`); ``None`` (default)
+            overlaps exactly then, unless a ``teacher`` is given (it scores the finished
+            backbone before the siblings run; with ``True`` it runs at the end), ``False``
+            never. Same tree either way: every rollout
+            keeps its random stream. Snapshots are then taken only at the planned
+            points (``keep`` is moot), and the backbone holds one of the executor's
+            sessions while siblings run.
 
     Returns:
         The tree, its :class:`~branchgym.rollout.tree.TreeStats` filled in. Every scheduled
@@ -551,6 +579,16 @@ def grow_tree(
     if env_noise not in ("fresh", "shared"):
         raise ValueError(f"env_noise must be 'fresh' or 'shared', got {env_noise!r}")
     sched = get_schedule(schedule)
+    plan = planned_steps(sched, m, schedule_options) if overlap is not False else None
+    if overlap and plan is None:
+        raise OptionError(
+            f"overlap=True needs a planned schedule (one whose branch points are fixed "
+            f"before the backbone exists, like 'depths'); {schedule!r} reads the finished "
+            "backbone. Use schedule='depths' with schedule_options={'depths': (...)}, or "
+            "overlap=None."
+        )
+    if teacher is not None and plan is not None and overlap is None:
+        plan = None  # the teacher scores the finished backbone before the siblings run
     rng = rng if isinstance(rng, np.random.Generator) else np.random.default_rng(rng)
     spec, ex, owned = _resolve(env, executor, **(executor_options or {}))
     wall0 = time.perf_counter()
@@ -569,9 +607,15 @@ def grow_tree(
             ctx,
             ROOT,
             0,
-            snapshot_each=branching and keep == "snapshot",
+            snapshot_each=branching and keep == "snapshot" and plan is None,
             rng=eng.stream(0, 0),
         )
+        if branching and plan is not None:
+            forks = _grow_overlapped(eng, backbone_line, plan, k, env_noise, max_concurrent)
+            tree.meta["forks"] = [dataclasses.asdict(f) for f in forks]
+            if teacher is not None and tree.backbone:
+                teacher(tree, tree.backbone)
+            return tree
         eng.advance([backbone_line])
         backbone = tree.backbone
         if not branching or not backbone:
@@ -597,7 +641,6 @@ def grow_tree(
                 if chosen
                 else {}
             )
-        eng.phase = 1
         _run_siblings(eng, tree, backbone, forks, refs, k, env_noise, max_concurrent)
         return tree
     finally:
@@ -611,6 +654,79 @@ def grow_tree(
             ex.shutdown()
 
 
+class _Siblings:
+    """The K-1 siblings of each fork: queued, restored as room frees up, recorded if never run."""
+
+    def __init__(self, eng: _Engine, k: int, env_noise: str) -> None:
+        self.eng, self.k, self.env_noise = eng, k, env_noise
+        self.pending: collections.deque[tuple[int, int]] = collections.deque()  # (step, kk)
+        self.remaining: dict[int, int] = {}
+        self.refs: dict[int, SnapshotRef] = {}
+        self.contexts: dict[int, Context] = {}
+        self.parents: dict[int, int] = {}
+        self.prefixes: dict[int, tuple[int, ...]] = {}
+        self.rollout_ids = iter(range(1, 1 << 30))
+
+    def fork(
+        self, step: int, ref: SnapshotRef, context: Context, parent: int, prefix: tuple[int, ...]
+    ) -> None:
+        """Queue K-1 siblings restoring ``ref`` (the state before decision ``step``)."""
+        self.refs[step], self.contexts[step] = ref, context
+        self.parents[step], self.prefixes[step] = parent, prefix
+        self.remaining[step] = self.k - 1
+        self.pending.extend((step, kk) for kk in range(2, self.k + 1))
+
+    def _started(self, step: int) -> None:
+        self.remaining[step] -= 1
+        if self.remaining[step] == 0:  # the last sibling has restored: free the state
+            self.eng.release(self.refs[step])
+
+    def refill(self, room: int) -> list[_Line] | None:
+        eng = self.eng
+        starts = []
+        while self.pending and len(starts) < room:
+            starts.append(self.pending.popleft())
+        if not starts:
+            return None
+        streams = [eng.stream(step + 1, kk) for step, kk in starts]
+        reseeds = [int(st.integers(2**63)) if self.env_noise == "fresh" else None for st in streams]
+        outs = eng.ex.restore(
+            [eng.spec] * len(starts), [self.refs[step] for step, _ in starts], reseeds=reseeds
+        )
+        lines = []
+        for (step, kk), out, stream in zip(starts, outs, streams, strict=True):
+            eng.tree.stats.restore_s += out.seconds
+            self._started(step)
+            parent, rid = self.parents[step], next(self.rollout_ids)
+            if out.error is not None:
+                eng.add(parent, -1, rid, 1, sibling=kk, truncated=True, error=out.error)
+                eng.tree.stats.errors += 1
+                continue
+            lines.append(
+                _Line(
+                    out.session,
+                    self.contexts[step],
+                    parent,
+                    rid,
+                    kk,
+                    self.prefixes[step],
+                    group=step,
+                    rng=stream,
+                    phase=1,
+                )  # fmt: skip
+            )
+        return lines
+
+    def record_unrun(self) -> None:
+        """The budget ran out with siblings still waiting: each is recorded, none vanishes."""
+        eng = self.eng
+        while self.pending:
+            step, kk = self.pending.popleft()
+            why = "not run: " + eng.timeout_reason()
+            eng.record_not_run(self.parents[step], kk, next(self.rollout_ids), why, phase=1)
+            self._started(step)
+
+
 def _run_siblings(
     eng: _Engine,
     tree: RolloutTree,
@@ -622,9 +738,7 @@ def _run_siblings(
     max_concurrent: int | None,
 ) -> None:
     """Restore each fork's snapshot into K-1 sessions and play them out."""
-    ex = eng.ex
-    pending: collections.deque[tuple[ForkPoint, int]] = collections.deque()
-    remaining: dict[int, int] = {}
+    sibs = _Siblings(eng, k, env_noise)
     for f in forks:
         node = tree[backbone[f.step]]
         node.sibling = 1
@@ -633,64 +747,46 @@ def _run_siblings(
         if f.step not in refs:
             tree.meta.setdefault("skipped_forks", []).append(f.step)
             continue
-        remaining[f.step] = k - 1
-        for kk in range(2, k + 1):
-            pending.append((f, kk))
-    capacity = _capacity(max_concurrent, ex)
-    rollout_ids = iter(range(1, 1 << 30))
-    contexts: dict[int, Context] = {}
+        prefix = tuple(int(t) for t in node.token_ids[: f.token_offset])
+        sibs.fork(f.step, refs[f.step], _context_at(tree, backbone, f.step), node.parent, prefix)
+    eng.advance([], refill=sibs.refill, capacity=_capacity(max_concurrent, eng.ex))
+    sibs.record_unrun()
 
-    def refill(room: int) -> list[_Line] | None:
-        starts = []
-        while pending and len(starts) < room:
-            starts.append(pending.popleft())
-        if not starts:
-            return None
-        streams = [eng.stream(f.step + 1, kk) for f, kk in starts]
-        reseeds = [int(st.integers(2**63)) if env_noise == "fresh" else None for st in streams]
-        outs = ex.restore(
-            [eng.spec] * len(starts), [refs[f.step] for f, _ in starts], reseeds=reseeds
-        )
-        lines = []
-        for (f, kk), out, stream in zip(starts, outs, streams, strict=True):
-            tree.stats.restore_s += out.seconds
-            remaining[f.step] -= 1
-            if remaining[f.step] == 0:  # the last sibling has restored: free the state
-                eng.release(refs[f.step])
-            parent = tree[backbone[f.step]].parent
-            rid = next(rollout_ids)
-            if out.error is not None:
-                eng.add(parent, -1, rid, sibling=kk, truncated=True, error=out.error)
-                tree.stats.errors += 1
-                continue
-            if f.step not in contexts:
-                contexts[f.step] = _context_at(tree, backbone, f.step)
-            prefix_src = tree[backbone[f.step]].token_ids
-            prefix = tuple(int(t) for t in prefix_src[: f.token_offset])
-            lines.append(
-                _Line(
-                    out.session,
-                    contexts[f.step],
-                    parent,
-                    rid,
-                    kk,
-                    prefix,
-                    group=f.step,
-                    rng=stream,
-                )  # fmt: skip
-            )
-        return lines
 
-    eng.advance([], refill=refill, capacity=capacity)
-    # The budget ran out with siblings still waiting: each is recorded, none vanishes.
-    while pending:
-        f, kk = pending.popleft()
-        eng.record_not_run(
-            tree[backbone[f.step]].parent, kk, next(rollout_ids), "not run: " + eng.timeout_reason()
-        )
-        remaining[f.step] -= 1
-        if remaining[f.step] == 0:
-            eng.release(refs[f.step])
+def _grow_overlapped(
+    eng: _Engine,
+    backbone_line: _Line,
+    steps: Sequence[int],
+    k: int,
+    env_noise: str,
+    max_concurrent: int | None,
+) -> list[ForkPoint]:
+    """A planned schedule's tree: each point's siblings start when the backbone reaches it.
+
+    The backbone snapshots only before its decisions at ``steps``; each snapshot queues
+    K-1 siblings that restore from it at once (room permitting) and act in the same
+    turns as the backbone and the other points' siblings, so the engine decodes them in
+    one batch. Every rollout keeps its own stream and node key, so the tree is the one
+    the backbone-first order grows (for an LLM engine: the same tokens, up to the float
+    tolerance of a differently padded batch).
+    """
+    tree = eng.tree
+    sibs = _Siblings(eng, k, env_noise)
+    backbone_line.snap_at = frozenset(steps)
+
+    def forked(line: _Line, ref: SnapshotRef) -> None:
+        sibs.fork(line.context.step, ref, line.context, line.parent, ())
+
+    capacity = _capacity(max_concurrent, eng.ex)
+    eng.advance([backbone_line], refill=sibs.refill, capacity=capacity, forked=forked)
+    sibs.record_unrun()
+    backbone = tree.backbone
+    forks = [ForkPoint(t, 0, float(t)) for t in steps if t < len(backbone)]
+    for f in forks:
+        tree[backbone[f.step]].sibling = 1
+        if f.step not in sibs.refs:
+            tree.meta.setdefault("skipped_forks", []).append(f.step)
+    return forks
 
 
 def group_rollouts(
@@ -744,7 +840,8 @@ def group_rollouts(
         for i, out in zip(starts, outs, strict=True):
             tree.stats.env_s += out.seconds
             if out.error is not None:
-                eng.add(ROOT, -1, i, sibling=i + 1 if n > 1 else 0, truncated=True, error=out.error)
+                sib = i + 1 if n > 1 else 0
+                eng.add(ROOT, -1, i, 0, sibling=sib, truncated=True, error=out.error)
                 tree.stats.errors += 1
                 continue
             if tree.observation is None:

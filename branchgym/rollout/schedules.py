@@ -16,6 +16,10 @@ Schedules (docs/algorithms.md §1 step 3, section 2 steps 2-3):
 * ``lowest_entropy``: the bottom-M, the ablation that must lose.
 * ``random``: uniformly random points (same gap rule).
 * ``even``: evenly spaced points.
+* ``depths``: the decision depths given in ``depths``, fixed before the backbone exists
+  (a *planned* schedule: :func:`planned_steps` tells, and
+  :func:`~branchgym.rollout.grow.grow_tree` starts each point's siblings as soon as the
+  backbone reaches it, so they decode in the same engine batches as the backbone).
 * ``oracle``: the points with the largest exact advantage variance
   ``Var_{a~pi}[Q(s_t, a)]`` (TreeMDP only: exact values).
 * ``fork_score``: BranchOPD's entropy + teacher-disagreement score (the math below,
@@ -45,6 +49,8 @@ __all__ = [
     "lowest_entropy_schedule",
     "random_schedule",
     "even_schedule",
+    "depths_schedule",
+    "planned_steps",
     "oracle_schedule",
     "fork_score_schedule",
     "topk_entropy",
@@ -267,6 +273,53 @@ def even_schedule(
         free = [u for u in range(t_max) if u not in steps]
         steps.append(min(free, key=lambda u: (abs(u - t), u)))
     return sorted(ForkPoint(t, 0, float(t)) for t in steps)
+
+
+def depths_schedule(
+    tree: RolloutTree,
+    backbone: Sequence[int],
+    m: int,
+    rng: np.random.Generator,
+    *,
+    depths: Sequence[int] = (),
+) -> list[ForkPoint]:
+    """Branch at the decision depths ``depths``, fixed in advance, where the backbone is alive.
+
+    Whether the backbone branches at ``t`` depends only on whether it is still running
+    at ``t`` (decided by its state there, before its action at ``t``), so the lemma of
+    docs/estimators.md holds on envs whose episodes end at different lengths. A backbone
+    that ended before a depth gets no point there (and its planned lines cost nothing).
+    """
+    return [ForkPoint(t, 0, float(t)) for t in _depths_plan(m, depths=depths) if t < len(backbone)]
+
+
+def _depths_plan(m: int, *, depths: Sequence[int] = ()) -> list[int]:
+    steps = []
+    for t in depths:
+        if isinstance(t, bool) or not isinstance(t, int | np.integer) or t < 0:
+            raise ScheduleError(f"depths are decision depths, whole numbers >= 0; got {t!r}")
+        steps.append(int(t))
+    return sorted(set(steps))
+
+
+#: ``schedule.planned(m, **options)``: the steps of a schedule fixed before the backbone.
+depths_schedule.planned = _depths_plan  # type: ignore[attr-defined]
+
+
+def planned_steps(
+    schedule: Schedule, m: int, options: dict[str, Any] | None = None
+) -> list[int] | None:
+    """The decision steps a schedule branches at, if it fixes them before the backbone exists.
+
+    A schedule is planned when it carries ``planned(m, **options) -> steps`` and returns,
+    for any backbone, exactly those of the steps the backbone reached (whole actions
+    resampled). ``None`` for the others (``entropy``, ``even``...: they read the finished
+    backbone).
+    """
+    plan = getattr(schedule, "planned", None)
+    if plan is None:
+        return None
+    return sorted({int(t) for t in plan(m, **(options or {}))})
 
 
 def _state_info(tree: RolloutTree, backbone: Sequence[int], t: int) -> dict[str, Any]:
@@ -575,13 +628,19 @@ SCHEDULES: dict[str, Schedule] = {
     "lowest_entropy": lowest_entropy_schedule,
     "random": random_schedule,
     "even": even_schedule,
+    "depths": depths_schedule,
     "oracle": oracle_schedule,
     "fork_score": fork_score_schedule,
 }
 
 
 def register_schedule(name: str, fn: Schedule) -> None:
-    """Add a schedule ``fn(tree, backbone, m, rng, **options) -> list[ForkPoint]``."""
+    """Add a schedule ``fn(tree, backbone, m, rng, **options) -> list[ForkPoint]``.
+
+    Give ``fn`` a ``planned(m, **options) -> steps`` attribute when its points are fixed
+    before the backbone exists (see :func:`planned_steps`): trees then overlap the
+    siblings with the backbone.
+    """
     if not callable(fn):
         raise ScheduleError(f"schedule {name!r} must be a function")
     SCHEDULES[name] = fn

@@ -98,6 +98,33 @@ def test_batched_llm_trees_match_serial_trees(tiny):
     assert stats.requests > stats.policy_calls  # the trees' requests shared engine calls
 
 
+def test_overlapped_llm_trees_match_backbone_first_trees(tiny):
+    # a planned schedule's siblings decode in the backbone's engine calls: same tokens
+    env = gym.make("branchgym/TextTreeMDP-v0", max_episode_steps=3)
+    recipe = spec_of(env)
+    kw = {"m": 2, "k": 3, "schedule_options": {"depths": (0, 1)}}
+    seeds = [0, 1]
+
+    def trees(**extra):
+        pol, stats = LLMPolicy(engine(tiny), max_new_tokens=6), BatchStats()
+        out = grow_trees_batched(recipe, pol, seeds, "depths", stats=stats, **kw, **extra)
+        return out, stats
+
+    first, first_stats = trees(overlap=False)
+    overlapped, stats = trees()
+    assert branchgym.live_snapshots().count == 0
+    for a, b in zip(first, overlapped, strict=True):
+        assert [(n.id, n.parent, n.sibling, n.action, n.reward) for n in a] == [
+            (n.id, n.parent, n.sibling, n.action, n.reward) for n in b
+        ]
+        for x, y in zip(a, b, strict=True):
+            assert x.token_ids.tolist() == y.token_ids.tolist()
+            np.testing.assert_allclose(x.logprobs, y.logprobs, atol=1e-4)
+            np.testing.assert_allclose(x.entropies, y.entropies, atol=1e-4)
+    assert stats.requests == first_stats.requests
+    assert stats.policy_calls < first_stats.policy_calls
+
+
 @pytest.mark.slow
 def test_training_with_batched_rollouts_equals_serial(tmp_path):
     ci = {
