@@ -19,6 +19,10 @@ TextTreeMDP maze (``n_actions = 3``, Bernoulli rewards):
   - ``branchgym grpo``: N independent rollouts per prompt;
   - ``branchgym bpo``: one backbone per prompt, M branch points of K siblings (schedule
     ``even``): N leaves;
+  - ``branchgym bpo depths``: the same trees with the points fixed in advance (schedule
+    ``depths`` at the steps ``even`` picks on a backbone that runs to the horizon, which
+    every backbone here does), so each point's siblings decode in the backbone's engine
+    calls (``grow_tree``'s overlap) instead of after it;
   - ``TRL BranchingGRPOTrainer``: :class:`branchgym.integrations.trl.BranchingGRPOTrainer`
     (TRL's ``GRPOTrainer`` on the same bpo trees and credit, TRL's own loss and update).
 
@@ -55,6 +59,7 @@ from typing import Any
 import numpy as np
 
 from branchgym.bench.common import Report, positive_int
+from branchgym.rollout.schedules import even_schedule
 
 __all__ = ["configure", "main", "unique_tokens"]
 
@@ -125,6 +130,12 @@ def _branchgym(
     tree = {"m": args.m, "k": args.k}
     if algo == "bpo":
         options = {**tree, "schedule": "even", "aggregation": "token-mean"}
+    elif algo == "bpo depths":
+        horizon = workload["max_episode_steps"]
+        steps = [f.step for f in even_schedule(None, list(range(horizon)), args.m, None)]
+        options = {**tree, "schedule": "depths", "branch_depths": tuple(steps)}
+        options["aggregation"] = "token-mean"
+        algo = "bpo"
     else:
         options = {**tree, "aggregation": "seq-mean-token-mean"}
     result = train(
@@ -417,12 +428,15 @@ def _median(values: Sequence[float]) -> float:
 def _row(name: str, r: dict[str, Any]) -> list[Any]:
     step = _median(r["step_s"])
     phases = [_median(r[p]) for p in PHASES]
+    generated = _median(r["generated"])
+    per_token = 1000 * phases[0] / generated if generated > 0 else float("nan")
     return [
         name,
         step,
         *phases,
         step - sum(phases),
         *(_count(_median(r[k])) for k in ("generated", "learner", "unique")),
+        per_token,
     ]
 
 
@@ -440,6 +454,7 @@ HEADERS = [
     "generated tok",
     "learner tok",
     "unique tok",
+    "gen ms/tok",
 ]
 
 
@@ -456,7 +471,8 @@ def main(args: argparse.Namespace) -> int:
     n = 1 + args.m * (args.k - 1)
     report.add(
         f"Model `{args.model}`, {ENV}, {args.prompts} prompt(s) per step, N = {n} "
-        f"completions per prompt (bpo: M = {args.m}, K = {args.k}, schedule even), replies "
+        f"completions per prompt (bpo: M = {args.m}, K = {args.k}, schedule even; bpo depths: "
+        "the same points fixed in advance, siblings overlapped with the backbone), replies "
         f"<= {args.max_new_tokens} tokens, beta = {BETA}, one update per step, "
         f"{args.steps} steps each, {args.threads} torch thread(s), float32. Medians leave "
         "out step 1 (warm-up)."
@@ -473,6 +489,7 @@ def main(args: argparse.Namespace) -> int:
         "multi turn": [
             ("branchgym grpo", functools.partial(_branchgym, "grpo")),
             ("branchgym bpo", functools.partial(_branchgym, "bpo")),
+            ("branchgym bpo depths", functools.partial(_branchgym, "bpo depths")),
         ],
     }
     if have_trl:
@@ -512,9 +529,10 @@ def main(args: argparse.Namespace) -> int:
             if trl and not row[0].startswith("TRL"):
                 lines.append(f"{w}: {row[0]} / {trl[0][0]} step time {row[1] / trl[0][1]:.2f}x")
         ours = {r[0]: r for r in rows}
-        if "branchgym bpo" in ours:
-            ratio = ours["branchgym bpo"][1] / ours["branchgym grpo"][1]
-            lines.append(f"{w}: branchgym bpo / branchgym grpo step time {ratio:.2f}x")
+        for label in ("branchgym bpo", "branchgym bpo depths"):
+            if label in ours:
+                ratio = ours[label][1] / ours["branchgym grpo"][1]
+                lines.append(f"{w}: {label} / branchgym grpo step time {ratio:.2f}x")
     for line in lines:
         report.add(line)
         print(line)

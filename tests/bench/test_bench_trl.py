@@ -13,7 +13,12 @@ from branchgym.cli import main  # noqa: E402
 
 TRAINERS = {
     "single turn": {"branchgym grpo", "TRL GRPOTrainer"},
-    "multi turn": {"branchgym grpo", "branchgym bpo", "TRL BranchingGRPOTrainer"},
+    "multi turn": {
+        "branchgym grpo",
+        "branchgym bpo",
+        "branchgym bpo depths",
+        "TRL BranchingGRPOTrainer",
+    },
 }
 
 
@@ -46,7 +51,9 @@ def test_trl_study_times_every_trainer_with_its_split_and_tokens(tmp_path, capsy
             ):
                 assert gen <= unique <= learner, name
         # branchgym packs each group's shared prompt: it reads the unique tokens only
-        assert runs["branchgym grpo"]["learner"] == runs["branchgym grpo"]["unique"]
+        for name in runs:
+            if name.startswith("branchgym"):
+                assert runs[name]["learner"] == runs[name]["unique"], name
     # TRL reads the prompt once per completion: more than the unique tokens
     trl = data["single turn"]["TRL GRPOTrainer"]
     assert all(lr > u for lr, u in zip(trl["learner"], trl["unique"], strict=True))
@@ -54,6 +61,7 @@ def test_trl_study_times_every_trainer_with_its_split_and_tokens(tmp_path, capsy
     out = capsys.readouterr().out
     assert "single turn: branchgym grpo / TRL GRPOTrainer step time" in out
     assert "multi turn: branchgym bpo / TRL BranchingGRPOTrainer step time" in out
+    assert "multi turn: branchgym bpo depths / branchgym grpo step time" in out
 
 
 def test_trl_study_says_when_trl_is_missing(tmp_path, capsys, monkeypatch):
