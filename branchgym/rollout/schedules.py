@@ -16,10 +16,8 @@ Schedules (docs/algorithms.md §1 step 3, section 2 steps 2-3):
 * ``lowest_entropy``: the bottom-M, the ablation that must lose.
 * ``random``: uniformly random points (same gap rule).
 * ``even``: evenly spaced points.
-* ``depths``: the decision depths given in ``depths``, fixed before the backbone exists
-  (a *planned* schedule: :func:`planned_steps` tells, and
-  :func:`~branchgym.rollout.grow.grow_tree` starts each point's siblings as soon as the
-  backbone reaches it, so they decode in the same engine batches as the backbone).
+* ``depths``: the depths ``depths``, fixed in advance (*planned*, :func:`planned_steps`:
+  ``grow_tree`` starts their siblings as the backbone reaches them).
 * ``oracle``: the points with the largest exact advantage variance
   ``Var_{a~pi}[Q(s_t, a)]`` (TreeMDP only: exact values).
 * ``fork_score``: BranchOPD's entropy + teacher-disagreement score (the math below,
@@ -285,36 +283,30 @@ def depths_schedule(
 ) -> list[ForkPoint]:
     """Branch at the decision depths ``depths``, fixed in advance, where the backbone is alive.
 
-    Whether the backbone branches at ``t`` depends only on whether it is still running
-    at ``t`` (decided by its state there, before its action at ``t``), so the lemma of
-    docs/estimators.md holds on envs whose episodes end at different lengths. A backbone
-    that ended before a depth gets no point there (and its planned lines cost nothing).
+    Branching at ``t`` depends only on the backbone still running at ``t``, so the lemma
+    of docs/estimators.md holds on episodes of different lengths; a backbone that ended
+    before a depth gets no point there (docs/engine.md: its siblings overlap it).
     """
     return [ForkPoint(t, 0, float(t)) for t in _depths_plan(m, depths=depths) if t < len(backbone)]
 
 
 def _depths_plan(m: int, *, depths: Sequence[int] = ()) -> list[int]:
-    steps = []
     for t in depths:
         if isinstance(t, bool) or not isinstance(t, int | np.integer) or t < 0:
             raise ScheduleError(f"depths are decision depths, whole numbers >= 0; got {t!r}")
-        steps.append(int(t))
-    return sorted(set(steps))
+    return sorted({int(t) for t in depths})
 
 
-#: ``schedule.planned(m, **options)``: the steps of a schedule fixed before the backbone.
 depths_schedule.planned = _depths_plan  # type: ignore[attr-defined]
 
 
 def planned_steps(
     schedule: Schedule, m: int, options: dict[str, Any] | None = None
 ) -> list[int] | None:
-    """The decision steps a schedule branches at, if it fixes them before the backbone exists.
+    """A planned schedule's steps (its ``planned(m, **options)``); ``None`` for the others.
 
-    A schedule is planned when it carries ``planned(m, **options) -> steps`` and returns,
-    for any backbone, exactly those of the steps the backbone reached (whole actions
-    resampled). ``None`` for the others (``entropy``, ``even``...: they read the finished
-    backbone).
+    Planned: for any backbone it returns exactly the planned steps the backbone reached,
+    whole actions resampled (``entropy``, ``even``... read the finished backbone instead).
     """
     plan = getattr(schedule, "planned", None)
     if plan is None:
@@ -637,9 +629,7 @@ SCHEDULES: dict[str, Schedule] = {
 def register_schedule(name: str, fn: Schedule) -> None:
     """Add a schedule ``fn(tree, backbone, m, rng, **options) -> list[ForkPoint]``.
 
-    Give ``fn`` a ``planned(m, **options) -> steps`` attribute when its points are fixed
-    before the backbone exists (see :func:`planned_steps`): trees then overlap the
-    siblings with the backbone.
+    A ``planned(m, **options) -> steps`` attribute marks it planned (:func:`planned_steps`).
     """
     if not callable(fn):
         raise ScheduleError(f"schedule {name!r} must be a function")
