@@ -87,9 +87,14 @@ def spec_of(cls, **kw):
     return EnvRecipe(f"{cls.__name__}-{kw}", factory=make)
 
 
-def grow(spec, executor, **kw):
-    kw = {"m": 2, "k": 4, "seed": 0, "rng": 3, "schedule_options": STEPS, **kw}
-    return grow_tree(spec, TextPolicy(), "entropy", executor=executor, **kw)
+def grow(spec, executor, schedule="entropy", **kw):
+    options = STEPS if schedule == "entropy" else {"depths": (0, 2)}
+    kw = {"m": 2, "k": 4, "seed": 0, "rng": 3, "schedule_options": options, **kw}
+    return grow_tree(spec, TextPolicy(), schedule, executor=executor, **kw)
+
+
+# entropy: siblings after the backbone; depths: siblings overlapped with it
+SCHEDULES = pytest.mark.parametrize("schedule", ["entropy", "depths"])
 
 
 @pytest.mark.parametrize(
@@ -103,9 +108,11 @@ def grow(spec, executor, **kw):
     ids=["inprocess-1", "inprocess-2", "thread", "process"],
 )
 @pytest.mark.parametrize("max_concurrent", [1, 2, None])
-def test_failed_restores_never_drop_waiting_siblings(make, max_concurrent):
+@SCHEDULES
+def test_failed_restores_never_drop_waiting_siblings(make, max_concurrent, schedule):
     with make() as ex:
-        tree = grow(spec_of(Faulty, mode="restore"), ex, max_concurrent=max_concurrent)
+        spec = spec_of(Faulty, mode="restore")
+        tree = grow(spec, ex, schedule, max_concurrent=max_concurrent)
         live = ex.live_snapshots().count
     failed = [n for n in tree if n.error]
     # 2 branch points x 3 siblings: every one is in the tree, with the reason.
@@ -116,11 +123,25 @@ def test_failed_restores_never_drop_waiting_siblings(make, max_concurrent):
     assert live == 0 and branchgym.live_snapshots().count == 0
 
 
-def test_a_crashed_instance_keeps_the_snapshots_other_siblings_need():
+@pytest.mark.parametrize("mode", ["restore", "crash"])
+def test_overlapped_siblings_fail_as_backbone_first_ones_do(mode):
+    # a failed restore's leaf is added before the backbone's node at its step: the tree's
+    # numbering (and so its backbone and sibling marks) must not depend on that
+    def nodes(**kw):
+        with ThreadExecutor(2) as ex:
+            tree = grow(spec_of(Faulty, mode=mode), ex, "depths", **kw)
+        return [(n.id, n.parent, n.step, n.sibling, n.action, n.error) for n in tree]
+
+    overlapped, first = nodes(), nodes(overlap=False)
+    assert overlapped == first and any(error for *_, error in first)
+
+
+@SCHEDULES
+def test_a_crashed_instance_keeps_the_snapshots_other_siblings_need(schedule):
     # One instance took the backbone's fork snapshots; a sibling crashes in it. Closing
     # it would release those snapshots, and every later sibling would fail to restore.
     with InProcessExecutor(max_instances=1) as ex:
-        tree = grow(spec_of(Owner), ex)
+        tree = grow(spec_of(Owner), ex, schedule)
     errors = [n.error for n in tree if n.error]
     assert errors and all("sandbox crashed" in e for e in errors), errors
     assert tree.stats.rollouts == 7
@@ -148,10 +169,12 @@ def test_a_thread_executor_whose_threads_are_all_stuck_still_times_out():
 @pytest.mark.parametrize(
     "make", [lambda: InProcessExecutor(max_instances=1), lambda: ThreadExecutor(2)]
 )
-def test_a_tree_past_its_budget_is_cut_and_says_so(make):
+@SCHEDULES
+def test_a_tree_past_its_budget_is_cut_and_says_so(make, schedule):
     t0 = time.perf_counter()
     with make() as ex:
-        tree = grow(spec_of(Faulty, mode="slow"), ex, max_concurrent=1, tree_timeout=1.0)
+        spec = spec_of(Faulty, mode="slow")
+        tree = grow(spec, ex, schedule, max_concurrent=1, tree_timeout=1.0)
     took = time.perf_counter() - t0
     assert took < 6, took
     assert tree.stats.rollouts == 7  # every scheduled sibling is in the tree

@@ -232,8 +232,10 @@ class _Engine:
         return self.tree.add(parent, rollout=rollout, **fields)
 
     def number_nodes(self) -> None:
-        """Renumber the tree's nodes in schedule order (see ``keys``)."""
-        self.tree.renumber(sorted(range(len(self.keys)), key=self.keys.__getitem__))
+        """Renumber the tree's nodes in schedule order (see ``keys``); again is a no-op."""
+        order = sorted(range(len(self.keys)), key=self.keys.__getitem__)
+        self.tree.renumber(order)
+        self.keys = [self.keys[i] for i in order]
 
     def stream(self, *key: int) -> np.random.Generator:
         """The random stream of one rollout.
@@ -780,6 +782,9 @@ def _grow_overlapped(
     capacity = _capacity(max_concurrent, eng.ex)
     eng.advance([backbone_line], refill=sibs.refill, capacity=capacity, forked=forked)
     sibs.record_unrun()
+    # a sibling that failed to restore was added before the backbone's node at its step:
+    # number the nodes now, so each node's first child is its backbone child again
+    eng.number_nodes()
     backbone = tree.backbone
     forks = [ForkPoint(t, 0, float(t)) for t in steps if t < len(backbone)]
     for f in forks:
