@@ -43,12 +43,23 @@ token trie, every shared prefix once: what a learner that shares prefixes must r
 
 TRL is optional (the ``trl`` extra): without it the study says so and times branchgym's
 learners only.
+
+``--malloc`` picks glibc's allocator settings for the whole run (every trainer alike):
+``glibc`` leaves its defaults, under which every block above 32 MB is a fresh ``mmap``
+whose pages the kernel zeroes on first touch and which is unmapped again when freed;
+``keep`` (:func:`keep_freed_memory`) serves every block from the heap and keeps freed
+memory for reuse, which is what ``MALLOC_MMAP_MAX_=0`` and a large
+``MALLOC_TRIM_THRESHOLD_`` in the environment do for any program. A trainer whose step
+allocates and frees large tensors (vocabulary-sized logits for every row) pays the
+kernel for its pages again every step under the defaults, so the ratio between trainers
+depends on this setting, and the report says which was used.
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import ctypes
 import functools
 import importlib.util
 import tempfile
@@ -59,9 +70,10 @@ from typing import Any
 import numpy as np
 
 from branchgym.bench.common import Report, positive_int
+from branchgym.error import OptionError
 from branchgym.rollout.schedules import even_schedule
 
-__all__ = ["configure", "main", "unique_tokens"]
+__all__ = ["configure", "main", "unique_tokens", "keep_freed_memory"]
 
 ENV = "branchgym/TextTreeMDP-v0"
 BETA = 0.05
@@ -78,6 +90,14 @@ WORKLOADS: dict[str, dict[str, Any]] = {
     },
 }
 PHASES = ("generation", "reference", "update")
+#: --malloc choices, as the report describes them.
+MALLOC = {
+    "glibc": "glibc's defaults (blocks above 32 MB mapped fresh and unmapped when freed)",
+    "keep": "every block from the heap, freed memory kept (MALLOC_MMAP_MAX_=0 and a 2 GiB "
+    "MALLOC_TRIM_THRESHOLD_, set through mallopt)",
+}
+# mallopt(3) parameters (malloc.h)
+_M_TRIM_THRESHOLD, _M_TOP_PAD, _M_MMAP_MAX = -1, -2, -4
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
@@ -98,6 +118,36 @@ def configure(parser: argparse.ArgumentParser) -> None:
         help="comma-separated: 'single turn', 'multi turn' (both)",
     )
     parser.add_argument("--quick", action="store_true", help="2 steps, 1 prompt, 8 tokens")
+    parser.add_argument(
+        "--malloc",
+        choices=sorted(MALLOC),
+        default="glibc",
+        help="allocator settings for every trainer: glibc's defaults (glibc) or every block "
+        "from the heap with freed memory kept (keep); default glibc",
+    )
+
+
+def keep_freed_memory() -> None:
+    """Make glibc serve every block from its heap and keep freed memory for reuse.
+
+    The same as starting the process with ``MALLOC_MMAP_MAX_=0``,
+    ``MALLOC_TRIM_THRESHOLD_=2147483647`` and ``MALLOC_TOP_PAD_=268435456``, but from
+    inside it: large tensors then reuse pages already faulted in instead of mapping
+    fresh ones (which the kernel zeroes) on every allocation. It affects the rest of the
+    process and cannot be undone. Raises :class:`~branchgym.error.OptionError` where the
+    C library has no ``mallopt`` (it is glibc's).
+    """
+    try:
+        mallopt = ctypes.CDLL(None).mallopt
+    except (AttributeError, OSError) as exc:
+        raise OptionError(
+            "--malloc keep needs glibc's mallopt, which this C library lacks; run with "
+            "--malloc glibc (or set your allocator's own options in the environment)"
+        ) from exc
+    mallopt.argtypes, mallopt.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
+    for param, value in ((_M_MMAP_MAX, 0), (_M_TRIM_THRESHOLD, 2**31 - 1), (_M_TOP_PAD, 256 << 20)):
+        if mallopt(param, value) != 1:
+            raise OptionError(f"mallopt({param}, {value}) was refused; run with --malloc glibc")
 
 
 # ------------------------------------------------------------------ unique tokens
@@ -466,6 +516,9 @@ def main(args: argparse.Namespace) -> int:
     unknown = [w for w in names if w not in WORKLOADS]
     if unknown or not names:
         raise SystemExit(f"--workloads: unknown {unknown}; use {', '.join(WORKLOADS)}")
+    if args.malloc == "keep":
+        keep_freed_memory()
+    print(f"allocator (--malloc {args.malloc}): {MALLOC[args.malloc]}", flush=True)
     report = Report(args.out, "trl", "branchgym bench trl")
     have_trl = importlib.util.find_spec("trl") is not None
     n = 1 + args.m * (args.k - 1)
@@ -475,7 +528,7 @@ def main(args: argparse.Namespace) -> int:
         "the same points fixed in advance, siblings overlapped with the backbone), replies "
         f"<= {args.max_new_tokens} tokens, beta = {BETA}, one update per step, "
         f"{args.steps} steps each, {args.threads} torch thread(s), float32. Medians leave "
-        "out step 1 (warm-up)."
+        f"out step 1 (warm-up). Allocator (`--malloc {args.malloc}`): {MALLOC[args.malloc]}."
     )
     if not have_trl:
         note = (

@@ -77,3 +77,73 @@ def test_trl_study_says_when_trl_is_missing(tmp_path, capsys, monkeypatch):
     data = json.loads((tmp_path / "trl.json").read_text())
     assert set(data["single turn"]) == {"branchgym grpo"}
     assert "TRL is not installed" in (tmp_path / "trl.md").read_text()
+
+
+def _maps_a_fresh_block(n_bytes: int) -> bool:
+    """Whether a malloc of ``n_bytes`` in a fresh process is a block of its own mapping."""
+    import subprocess
+    import sys
+
+    code = f"""
+import ctypes, sys
+from branchgym.bench.trl_trainer import keep_freed_memory
+if sys.argv[1] == "keep":
+    keep_freed_memory()
+libc = ctypes.CDLL(None)
+libc.malloc.restype = ctypes.c_void_p
+libc.malloc.argtypes = [ctypes.c_size_t]
+p = libc.malloc({n_bytes})
+heap = [l.split()[0] for l in open("/proc/self/maps") if l.rstrip().endswith("[heap]")]
+lo, hi = (int(x, 16) for x in heap[0].split("-"))
+print("heap" if lo <= p < hi else "mapped")
+"""
+    out = {}
+    for mode in ("glibc", "keep"):
+        res = subprocess.run(
+            [sys.executable, "-c", code, mode], capture_output=True, text=True, check=True
+        )
+        out[mode] = res.stdout.strip()
+    return out
+
+
+def test_keep_freed_memory_serves_large_blocks_from_the_heap():
+    import sys
+
+    if not sys.platform.startswith("linux"):
+        pytest.skip("glibc's mallopt and /proc/self/maps")
+    # 64 MB is above glibc's largest mmap threshold: mapped on its own by default,
+    # from the heap once keep_freed_memory has run
+    assert _maps_a_fresh_block(64 << 20) == {"glibc": "mapped", "keep": "heap"}
+
+
+def test_malloc_option_is_recorded_and_an_unknown_one_refused(tmp_path, capsys, monkeypatch):
+    import importlib.util
+
+    import branchgym.bench.trl_trainer as study
+
+    calls = []
+    monkeypatch.setattr(study, "keep_freed_memory", lambda: calls.append(1))
+    real = importlib.util.find_spec
+    monkeypatch.setattr(
+        importlib.util, "find_spec", lambda name, *a: None if name == "trl" else real(name, *a)
+    )
+    args = ["bench", "trl", "--quick", "--m", "1", "--k", "2", "--workloads", "single turn"]
+    assert main([*args, "--malloc", "keep", "--out", str(tmp_path)]) == 0
+    assert calls == [1]
+    assert "allocator (--malloc keep)" in capsys.readouterr().out
+    assert "`--malloc keep`" in (tmp_path / "trl.md").read_text()
+    with pytest.raises(SystemExit) as exc:
+        main([*args, "--malloc", "tcmalloc", "--out", str(tmp_path)])
+    assert exc.value.code == 2
+    assert "invalid choice: 'tcmalloc'" in capsys.readouterr().err
+
+
+def test_keep_freed_memory_without_mallopt_says_the_fix(monkeypatch):
+    import ctypes
+
+    from branchgym.bench.trl_trainer import keep_freed_memory
+    from branchgym.error import OptionError
+
+    monkeypatch.setattr(ctypes, "CDLL", lambda *a, **k: object())  # a C library with no mallopt
+    with pytest.raises(OptionError, match="--malloc glibc"):
+        keep_freed_memory()
