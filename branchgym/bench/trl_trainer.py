@@ -48,8 +48,8 @@ learners only.
 ``glibc`` leaves its defaults, under which every block above 32 MB is a fresh ``mmap``
 whose pages the kernel zeroes on first touch and which is unmapped again when freed;
 ``keep`` (:func:`keep_freed_memory`) serves every block from the heap and keeps freed
-memory for reuse, which is what ``MALLOC_MMAP_MAX_=0`` and a large
-``MALLOC_TRIM_THRESHOLD_`` in the environment do for any program. A trainer whose step
+memory for reuse, which is what ``MALLOC_MMAP_MAX_=0`` and a ``MALLOC_TRIM_THRESHOLD_`` larger than
+any heap (``68719476736``) in the environment do for any program. A trainer whose step
 allocates and frees large tensors (vocabulary-sized logits for every row) pays the
 kernel for its pages again every step under the defaults, so the ratio between trainers
 depends on this setting, and the report says which was used.
@@ -93,8 +93,8 @@ PHASES = ("generation", "reference", "update")
 #: --malloc choices, as the report describes them.
 MALLOC = {
     "glibc": "glibc's defaults (blocks above 32 MB mapped fresh and unmapped when freed)",
-    "keep": "every block from the heap, freed memory kept (MALLOC_MMAP_MAX_=0 and a 2 GiB "
-    "MALLOC_TRIM_THRESHOLD_, set through mallopt)",
+    "keep": "every block from the heap, freed memory kept (mallopt: no mmap, no trimming, "
+    "as MALLOC_MMAP_MAX_=0 MALLOC_TRIM_THRESHOLD_=68719476736 in the environment)",
 }
 # mallopt(3) parameters (malloc.h)
 _M_TRIM_THRESHOLD, _M_TOP_PAD, _M_MMAP_MAX = -1, -2, -4
@@ -131,11 +131,13 @@ def keep_freed_memory() -> None:
     """Make glibc serve every block from its heap and keep freed memory for reuse.
 
     The same as starting the process with ``MALLOC_MMAP_MAX_=0``,
-    ``MALLOC_TRIM_THRESHOLD_=2147483647`` and ``MALLOC_TOP_PAD_=268435456``, but from
-    inside it: large tensors then reuse pages already faulted in instead of mapping
-    fresh ones (which the kernel zeroes) on every allocation. It affects the rest of the
-    process and cannot be undone. Raises :class:`~branchgym.error.OptionError` where the
-    C library has no ``mallopt`` (it is glibc's).
+    ``MALLOC_TRIM_THRESHOLD_=68719476736`` and ``MALLOC_TOP_PAD_=268435456``, but from
+    inside it (a trim threshold of -1 through ``mallopt`` means never give the heap's
+    top back; the ``int`` it takes cannot say 64 GiB): large tensors then reuse pages
+    already faulted in instead of mapping fresh ones (which the kernel zeroes) on every
+    allocation. It affects the rest of the process and cannot be undone. Raises
+    :class:`~branchgym.error.OptionError` where the C library has no ``mallopt`` (it is
+    glibc's).
     """
     try:
         mallopt = ctypes.CDLL(None).mallopt
@@ -145,7 +147,7 @@ def keep_freed_memory() -> None:
             "--malloc glibc (or set your allocator's own options in the environment)"
         ) from exc
     mallopt.argtypes, mallopt.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
-    for param, value in ((_M_MMAP_MAX, 0), (_M_TRIM_THRESHOLD, 2**31 - 1), (_M_TOP_PAD, 256 << 20)):
+    for param, value in ((_M_MMAP_MAX, 0), (_M_TRIM_THRESHOLD, -1), (_M_TOP_PAD, 256 << 20)):
         if mallopt(param, value) != 1:
             raise OptionError(f"mallopt({param}, {value}) was refused; run with --malloc glibc")
 
