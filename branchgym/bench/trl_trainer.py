@@ -45,11 +45,12 @@ TRL is optional (the ``trl`` extra): without it the study says so and times bran
 learners only.
 
 ``--malloc`` picks glibc's allocator settings for the whole run (every trainer alike):
-``glibc`` leaves its defaults, under which every block above 32 MB is a fresh ``mmap``
-whose pages the kernel zeroes on first touch and which is unmapped again when freed;
-``keep`` (:func:`keep_freed_memory`) serves every block from the heap and keeps freed
-memory for reuse, which is what ``MALLOC_MMAP_MAX_=0`` and a ``MALLOC_TRIM_THRESHOLD_`` larger than
-any heap (``68719476736``) in the environment do for any program. A trainer whose step
+``glibc`` leaves its defaults, under which every block above the mmap threshold (128 KB,
+rising with use to at most 32 MB) is a fresh ``mmap`` whose pages the kernel zeroes on
+first touch and which is unmapped again when freed; ``keep`` (:func:`keep_freed_memory`)
+serves every block from the heap and keeps freed memory for reuse, which is what
+``MALLOC_MMAP_MAX_=0`` and a ``MALLOC_TRIM_THRESHOLD_`` larger than any heap
+(``68719476736``) in the environment do for any program. A trainer whose step
 allocates and frees large tensors (vocabulary-sized logits for every row) pays the
 kernel for its pages again every step under the defaults, so the ratio between trainers
 depends on this setting, and the report says which was used.
@@ -92,7 +93,8 @@ WORKLOADS: dict[str, dict[str, Any]] = {
 PHASES = ("generation", "reference", "update")
 #: --malloc choices, as the report describes them.
 MALLOC = {
-    "glibc": "glibc's defaults (blocks above 32 MB mapped fresh and unmapped when freed)",
+    "glibc": "glibc's defaults (blocks above the mmap threshold, at most 32 MB, mapped fresh "
+    "and unmapped when freed)",
     "keep": "every block from the heap, freed memory kept (mallopt: no mmap, no trimming, "
     "as MALLOC_MMAP_MAX_=0 MALLOC_TRIM_THRESHOLD_=68719476736 in the environment)",
 }

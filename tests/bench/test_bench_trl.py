@@ -79,8 +79,11 @@ def test_trl_study_says_when_trl_is_missing(tmp_path, capsys, monkeypatch):
     assert "TRL is not installed" in (tmp_path / "trl.md").read_text()
 
 
-def _maps_a_fresh_block(n_bytes: int) -> bool:
-    """Whether a malloc of ``n_bytes`` in a fresh process is a block of its own mapping."""
+def _where_a_block_lands(n_bytes: int) -> dict[str, str]:
+    """Per ``--malloc`` mode, where a fresh process's malloc of ``n_bytes`` lands.
+
+    ``heap`` (inside glibc's ``[heap]`` mapping) or ``mapped`` (a mapping of its own).
+    """
     import subprocess
     import sys
 
@@ -113,7 +116,7 @@ def test_keep_freed_memory_serves_large_blocks_from_the_heap():
         pytest.skip("glibc's mallopt and /proc/self/maps")
     # 64 MB is above glibc's largest mmap threshold: mapped on its own by default,
     # from the heap once keep_freed_memory has run
-    assert _maps_a_fresh_block(64 << 20) == {"glibc": "mapped", "keep": "heap"}
+    assert _where_a_block_lands(64 << 20) == {"glibc": "mapped", "keep": "heap"}
 
 
 def test_malloc_option_is_recorded_and_an_unknown_one_refused(tmp_path, capsys, monkeypatch):
