@@ -479,6 +479,16 @@ def _median(values: Sequence[float]) -> float:
     return float(np.median(rest)) if rest else float("nan")
 
 
+def _other(r: dict[str, Any]) -> list[float]:
+    """Per step, the time outside the timed phases.
+
+    The report takes its median rather than subtracting the phases' medians from the
+    step's: with an odd number of steps those differ, and the difference could come out
+    negative.
+    """
+    return [s - sum(r[p][i] for p in PHASES) for i, s in enumerate(r["step_s"])]
+
+
 def _row(name: str, r: dict[str, Any]) -> list[Any]:
     step = _median(r["step_s"])
     phases = [_median(r[p]) for p in PHASES]
@@ -488,7 +498,7 @@ def _row(name: str, r: dict[str, Any]) -> list[Any]:
         name,
         step,
         *phases,
-        step - sum(phases),
+        _median(_other(r)),
         *(_count(_median(r[k])) for k in ("generated", "learner", "unique")),
         per_token,
     ]
@@ -604,12 +614,7 @@ def main(args: argparse.Namespace) -> int:
         bottom = np.zeros(len(labels))
         for phase in (*PHASES, "other"):
             if phase == "other":
-                vals = np.array(
-                    [
-                        _median(runs[w][x]["step_s"]) - sum(_median(runs[w][x][p]) for p in PHASES)
-                        for x in labels
-                    ]
-                )
+                vals = np.array([_median(_other(runs[w][x])) for x in labels])
             else:
                 vals = np.array([_median(runs[w][x][phase]) for x in labels])
             ax.bar(labels, vals, bottom=bottom, label=phase)

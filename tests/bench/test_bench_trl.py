@@ -150,3 +150,22 @@ def test_keep_freed_memory_without_mallopt_says_the_fix(monkeypatch):
     monkeypatch.setattr(ctypes, "CDLL", lambda *a, **k: object())  # a C library with no mallopt
     with pytest.raises(OptionError, match="--malloc glibc"):
         keep_freed_memory()
+
+
+def test_other_time_is_the_median_of_each_steps_rest_never_negative():
+    from branchgym.bench.trl_trainer import _row
+
+    # steps 2-6 (step 1 is the warm-up) each leave 1 s outside the phases, but the
+    # phases' medians (8 + 1 + 3) add up to more than the median step (11)
+    run = {
+        "step_s": [9.0, 10.0, 10.0, 11.0, 12.0, 13.0],
+        "generation": [1.0, 8.0, 0.0, 8.0, 0.0, 8.0],
+        "reference": [1.0] * 6,
+        "update": [1.0, 0.0, 8.0, 1.0, 10.0, 3.0],
+        "generated": [10] * 6,
+        "learner": [20] * 6,
+        "unique": [15] * 6,
+    }
+    step, gen, ref, upd, other = _row("t", run)[1:6]
+    assert (step, gen, ref, upd) == (11.0, 8.0, 1.0, 3.0)
+    assert other == 1.0  # not 11 - 12
