@@ -125,7 +125,7 @@ def _verify_bytes(blob: bytes, tag: bytes | None, key: bytes | None = None) -> A
         raise SnapshotCorruptError(f"snapshot payload cannot be loaded ({exc}).") from exc
 
 
-class Snapshot:
+class Snapshot(serialization.SnapshotHandle):
     """An opaque handle on a saved environment state.
 
     Attributes:

@@ -5,7 +5,8 @@ process) are pickles, but they are never loaded with :func:`pickle.loads`:
 
 * **Only allowed types load.** :class:`SafeUnpickler` resolves a global only if it is in
   :data:`SAFE_GLOBALS` (plain containers, numpy arrays and generators, branchgym's own
-  snapshot classes) or was registered by an env author with
+  snapshot classes), is a snapshot handle class (a :class:`SnapshotHandle` subclass, as
+  every :class:`~branchgym.core.Snapshot` is) or was registered by an env author with
   :func:`register_snapshot_types`. A crafted payload that names ``os.system``,
   ``builtins.eval``, ``subprocess.Popen`` or any other callable is refused with
   :class:`~branchgym.error.SnapshotUntrustedError` before anything runs.
@@ -42,6 +43,7 @@ from branchgym.error import SnapshotUntrustedError
 
 __all__ = [
     "SAFE_GLOBALS",
+    "SnapshotHandle",
     "SafeUnpickler",
     "safe_loads",
     "register_snapshot_types",
@@ -117,6 +119,17 @@ _REGISTERED: set[tuple[str, str]] = set()
 _LOCK = threading.Lock()
 
 
+class SnapshotHandle:
+    """The base of every snapshot handle class: :class:`~branchgym.core.Snapshot` derives it.
+
+    Subclasses of a module already imported load by name (see :class:`SafeUnpickler`).
+    It lives here, under :mod:`branchgym.core`, so that this module never imports the
+    snapshot protocol it serves. Subclass :class:`~branchgym.core.Snapshot`, never this.
+    """
+
+    __slots__ = ()
+
+
 def register_snapshot_types(*objs: Any) -> None:
     """Allow classes (or functions) in snapshot bytes: an env author's state types.
 
@@ -162,7 +175,7 @@ class SafeUnpickler(pickle.Unpickler):
 
 
 def _is_snapshot_class(module: str, name: str) -> bool:
-    """A :class:`~branchgym.core.Snapshot` subclass of a module already imported.
+    """A :class:`SnapshotHandle` subclass (every Snapshot is one) of a module already imported.
 
     Snapshot handles of wrapper layers (an env author's ``Snapshot`` subclass) are
     rebuilt by ``_rebuild_snapshot``, which never calls their constructor. The module is
@@ -172,9 +185,7 @@ def _is_snapshot_class(module: str, name: str) -> bool:
     if mod is None or "." in name:
         return False
     obj = getattr(mod, name, None)
-    from branchgym.core import Snapshot
-
-    return isinstance(obj, type) and issubclass(obj, Snapshot)
+    return isinstance(obj, type) and issubclass(obj, SnapshotHandle)
 
 
 def safe_loads(blob: bytes, allowed: Iterable[tuple[str, str]] = ()) -> Any:
