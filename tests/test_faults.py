@@ -19,11 +19,8 @@ import pytest
 import branchgym
 from branchgym.agents.policy import TextPolicy
 from branchgym.envs.toy.text_tree_mdp import TextTreeMDP
-from branchgym.rollout.executors import (
-    EnvRecipe,
-    InProcessExecutor,
-    ThreadExecutor,
-)
+from branchgym.rollout.executor_base import EnvRecipe
+from branchgym.rollout.executors import InProcessExecutor, ThreadExecutor
 from branchgym.rollout.grow import grow_tree
 from branchgym.rollout.process import ProcessExecutor
 

@@ -11,7 +11,8 @@ import branchgym
 from branchgym.agents.policy import TextPolicy
 from branchgym.envs.toy.text_tree_mdp import TextTreeMDP
 from branchgym.error import DataError, TreeFormatError
-from branchgym.rollout.executors import EnvRecipe, InProcessExecutor
+from branchgym.rollout.executor_base import EnvRecipe
+from branchgym.rollout.executors import InProcessExecutor
 from branchgym.rollout.grow import grow_tree
 from branchgym.rollout.tree import RolloutTree
 from branchgym.tree_format import (

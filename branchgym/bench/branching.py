@@ -94,7 +94,7 @@ def _grow(
     ex: Any,
 ) -> TreeStats:
     """Sum the stats of one tree per seed; ``ex``'s pool is shared, so no env is rebuilt."""
-    from branchgym.rollout.executors import EnvRecipe
+    from branchgym.rollout.executor_base import EnvRecipe
     from branchgym.rollout.grow import group_rollouts, grow_tree
 
     spec = EnvRecipe(env_id, kwargs)
@@ -127,7 +127,7 @@ def _grow(
 def _state_keeping(report: Report, envs: dict[str, dict[str, Any]], n_trees: int, ex: Any) -> None:
     """Snapshot every step vs replay to the chosen steps, with a fast random text policy."""
     from branchgym.agents.policy import TextPolicy
-    from branchgym.rollout.executors import EnvRecipe
+    from branchgym.rollout.executor_base import EnvRecipe
     from branchgym.rollout.grow import grow_tree
 
     rows = []

@@ -86,7 +86,7 @@ def _table(checkpoint: str, env_kwargs: dict[str, Any], threads: int) -> np.ndar
     from branchgym.agents.evaluation import exact_value
     from branchgym.agents.models import load_model
     from branchgym.agents.scoring import ScoringPolicy
-    from branchgym.rollout.executors import EnvRecipe
+    from branchgym.rollout.executor_base import EnvRecipe
 
     model, tok = load_model(checkpoint)
     engine = HFEngine(model, tok, threads=threads)

@@ -202,7 +202,8 @@ def diagnose(
 
     import gymnasium as gym
 
-    from branchgym.rollout.executors import EnvRecipe, InProcessExecutor
+    from branchgym.rollout.executor_base import EnvRecipe
+    from branchgym.rollout.executors import InProcessExecutor
     from branchgym.rollout.grow import grow_tree
 
     if independent < 2 or completions < 2:

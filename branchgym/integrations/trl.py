@@ -52,7 +52,7 @@ from branchgym.agents.policy_kinds import PolicyKind
 from branchgym.agents.rows import Batch
 from branchgym.error import DependencyMissingError, IntegrationError, TrainingConfigError
 from branchgym.rollout.batch import run_batched
-from branchgym.rollout.executors import EnvRecipe, Executor
+from branchgym.rollout.executor_base import EnvRecipe, Executor
 from branchgym.rollout.grow import group_rollouts, grow_tree
 from branchgym.rollout.tree import RolloutTree
 
@@ -292,7 +292,7 @@ class BranchingGRPOTrainer(GRPOTrainer):
             registered for the env id).
         prompts: Prompts of the default train set.
         executor: Where sandboxes run: a name (``inprocess``, ``thread``, ``process``) or
-            an :class:`~branchgym.rollout.executors.Executor` the caller owns.
+            an :class:`~branchgym.rollout.executor_base.Executor` the caller owns.
         **kwargs: Passed to ``GRPOTrainer`` (callbacks, peft_config, ...).
     """
 

@@ -67,7 +67,7 @@ try:
 except ImportError as exc:  # pragma: no cover - exercised only without the extra
     raise DependencyMissingError.for_extra("branchgym.integrations.verl", "verl", "verl") from exc
 
-from branchgym.rollout.executors import EnvRecipe
+from branchgym.rollout.executor_base import EnvRecipe
 from branchgym.rollout.grow import grow_tree
 from branchgym.rollout.policy import Context
 from branchgym.rollout.tree import RolloutTree

@@ -39,14 +39,8 @@ from typing import Any
 import numpy as np
 
 from branchgym.error import ExecutorError, OptionError
-from branchgym.rollout.executors import (
-    EnvRecipe,
-    Executor,
-    InProcessExecutor,
-    Outcome,
-    SnapshotRef,
-    make_executor,
-)
+from branchgym.rollout.executor_base import EnvRecipe, Executor, Outcome, SnapshotRef
+from branchgym.rollout.executors import InProcessExecutor, make_executor
 from branchgym.rollout.grow import group_rollouts, grow_tree
 from branchgym.rollout.policy import ActionSample, ActRequest, Policy
 from branchgym.rollout.tree import RolloutTree

@@ -1,6 +1,6 @@
 """The fleet executor: sandboxes on several ``branchgym serve`` servers, trees grown across them.
 
-:class:`FleetExecutor` is an :class:`~branchgym.rollout.executors.Executor` whose workers are
+:class:`FleetExecutor` is an :class:`~branchgym.rollout.executor_base.Executor` whose workers are
 servers. Each server holds its sessions and its snapshots (by id, nothing crosses the
 wire), so a sibling is restored on the server that holds its snapshot, and new rollouts
 go to the least-loaded live server. All calls for one server in a step of the engine
@@ -30,7 +30,7 @@ from typing import Any
 from branchgym.core import LiveSnapshots, Snapshot, live_snapshots
 from branchgym.error import DependencyMissingError, ExecutorError, RemoteError
 from branchgym.remote import Connection, ws_url
-from branchgym.rollout.executors import DEFAULT_TIMEOUT, EXECUTORS, Executor
+from branchgym.rollout.executor_base import DEFAULT_TIMEOUT, Executor
 from branchgym.serve.wire import decode, encode
 
 __all__ = ["FleetExecutor"]
@@ -381,9 +381,6 @@ class FleetExecutor(Executor):
         fleet = cls(urls, token=token, **kwargs)
         fleet._actors = actors
         return fleet
-
-
-EXECUTORS["fleet"] = FleetExecutor
 
 
 class _RayServer:

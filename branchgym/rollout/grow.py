@@ -28,7 +28,7 @@ How states at candidate points are kept until the schedule picks (``keep=``):
 The policy stays in this process: siblings advance in lockstep, so each policy call
 is one batch, and the K-1 siblings of a branch point ask for their first action in one
 request (an LLM engine samples them from one shared prefix). Environment calls go to an
-:class:`~branchgym.rollout.executors.Executor`.
+:class:`~branchgym.rollout.executor_base.Executor`.
 
 Failures never shrink a tree: a sibling whose restore, step or sandbox fails, or that
 the tree's time budget (``tree_timeout``) cuts or never starts, is a leaf whose
@@ -54,13 +54,8 @@ from tqdm import tqdm
 
 from branchgym.compare import first_difference
 from branchgym.error import OptionError
-from branchgym.rollout.executors import (
-    EnvRecipe,
-    Executor,
-    InProcessExecutor,
-    SnapshotRef,
-    make_executor,
-)
+from branchgym.rollout.executor_base import EnvRecipe, Executor, SnapshotRef
+from branchgym.rollout.executors import InProcessExecutor, make_executor
 from branchgym.rollout.policy import ActionSample, ActRequest, Context, Policy, Turn
 from branchgym.rollout.schedules import ForkPoint, get_schedule, planned_steps
 from branchgym.rollout.tree import ROOT, Node, RolloutTree

@@ -1,9 +1,9 @@
 """ProcessExecutor: sandboxes in worker processes, each with its own pool.
 
 For CPU-bound sandboxes: a crashing sandbox takes down only its worker, which the
-executor replaces. Each worker runs an :class:`~branchgym.rollout.executors.EnvWorker`
+executor replaces. Each worker runs an :class:`~branchgym.rollout.executor_base.EnvWorker`
 behind a pipe (calls in, results out, in order); the dispatch, timeouts and lost-worker
-bookkeeping are :class:`~branchgym.rollout.executors.WorkerExecutor`'s.
+bookkeeping are :class:`~branchgym.rollout.executor_base.WorkerExecutor`'s.
 """
 
 from __future__ import annotations
@@ -16,9 +16,8 @@ import time
 from typing import Any
 
 from branchgym.error import ExecutorError
-from branchgym.rollout.executors import (
+from branchgym.rollout.executor_base import (
     DEFAULT_TIMEOUT,
-    EXECUTORS,
     Call,
     EnvWorker,
     WorkerExecutor,
@@ -168,6 +167,3 @@ class ProcessExecutor(WorkerExecutor):
                 proc.join(timeout=5)
             conn.close()
         super().shutdown()
-
-
-EXECUTORS["process"] = ProcessExecutor

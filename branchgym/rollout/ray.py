@@ -1,8 +1,8 @@
 """RayExecutor: sandboxes in Ray actors (``pip install 'branchgym[ray]'``), past one machine.
 
-Each actor runs an :class:`~branchgym.rollout.executors.EnvWorker` behind one method; the
+Each actor runs an :class:`~branchgym.rollout.executor_base.EnvWorker` behind one method; the
 dispatch, timeouts and lost-worker bookkeeping are
-:class:`~branchgym.rollout.executors.WorkerExecutor`'s. Ray itself is imported only when
+:class:`~branchgym.rollout.executor_base.WorkerExecutor`'s. Ray itself is imported only when
 an executor starts.
 """
 
@@ -12,9 +12,8 @@ import os
 from typing import Any
 
 from branchgym.error import DependencyMissingError
-from branchgym.rollout.executors import (
+from branchgym.rollout.executor_base import (
     DEFAULT_TIMEOUT,
-    EXECUTORS,
     Call,
     EnvWorker,
     WorkerExecutor,
@@ -120,6 +119,3 @@ class _RayWorker:
 
     def call(self, op: str, session: int, args: tuple) -> dict[str, Any]:
         return self.worker.call(op, session, args)
-
-
-EXECUTORS["ray"] = RayExecutor

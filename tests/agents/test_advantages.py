@@ -29,7 +29,7 @@ from branchgym.agents.policy import TabularPolicy  # noqa: E402
 from branchgym.envs.toy import TreeStructure  # noqa: E402
 from branchgym.envs.toy import estimators as est  # noqa: E402
 from branchgym.error import LossInputError, TrainingConfigError  # noqa: E402
-from branchgym.rollout.executors import EnvRecipe  # noqa: E402
+from branchgym.rollout.executor_base import EnvRecipe  # noqa: E402
 from branchgym.rollout.grow import group_rollouts, grow_tree  # noqa: E402
 
 #: A fixed-length TreeMDP (every episode has 3 decisions), small enough for a CPU test.

@@ -24,7 +24,7 @@ from branchgym.agents.evaluation import exact_value  # noqa: E402
 from branchgym.agents.models import load_model, tiny_qwen2  # noqa: E402
 from branchgym.agents.scoring import ScoringPolicy  # noqa: E402
 from branchgym.agents.train import train  # noqa: E402
-from branchgym.rollout.executors import EnvRecipe  # noqa: E402
+from branchgym.rollout.executor_base import EnvRecipe  # noqa: E402
 
 ENV_KWARGS = {"depth": 3, "n_actions": 3, "reward_kind": "bernoulli", "structure_seed": 2}
 SPEC = EnvRecipe("branchgym/TextTreeMDP-v0", ENV_KWARGS)

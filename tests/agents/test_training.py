@@ -46,7 +46,7 @@ from branchgym.error import (  # noqa: E402
     TrainingConfigError,
     UnknownEnvError,
 )
-from branchgym.rollout.executors import EnvRecipe  # noqa: E402
+from branchgym.rollout.executor_base import EnvRecipe  # noqa: E402
 from branchgym.rollout.grow import group_rollouts, grow_tree  # noqa: E402
 from branchgym.rollout.tree import RolloutTree  # noqa: E402
 

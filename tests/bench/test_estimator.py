@@ -212,7 +212,7 @@ def _learner_gradient_ratio(prompts, seed, **options):
     """The learner's own advantages (grow_tree + the advantages registry) as a tabular gradient."""
     from branchgym.agents import advantages, bpo
     from branchgym.agents.policy import TabularPolicy
-    from branchgym.rollout.executors import EnvRecipe
+    from branchgym.rollout.executor_base import EnvRecipe
     from branchgym.rollout.grow import grow_tree
 
     kw = {"depth": 3, "n_actions": 3, "reward_kind": "bernoulli", "structure_seed": 2}

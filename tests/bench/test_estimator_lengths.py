@@ -214,7 +214,7 @@ def _learner_draws(tree_kw, pi, prompts, seed, **options):
     """
     from branchgym.agents import advantages, bpo
     from branchgym.agents.policy import TabularPolicy
-    from branchgym.rollout.executors import EnvRecipe
+    from branchgym.rollout.executor_base import EnvRecipe
     from branchgym.rollout.grow import grow_tree
 
     args = bpo.Args(**options)

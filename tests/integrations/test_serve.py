@@ -27,7 +27,8 @@ from branchgym.error import (  # noqa: E402
 from branchgym.fidelity.checks import check_env  # noqa: E402
 from branchgym.fidelity.suite import check_snapshot_fidelity  # noqa: E402
 from branchgym.remote import RemoteEnv  # noqa: E402
-from branchgym.rollout.executors import EnvRecipe, InProcessExecutor  # noqa: E402
+from branchgym.rollout.executor_base import EnvRecipe  # noqa: E402
+from branchgym.rollout.executors import InProcessExecutor  # noqa: E402
 from branchgym.rollout.fleet import FleetExecutor  # noqa: E402
 from branchgym.rollout.grow import grow_tree  # noqa: E402
 from branchgym.serve.process import ServerProcess  # noqa: E402

@@ -6,7 +6,7 @@ pytest.importorskip("openenv")
 ray = pytest.importorskip("ray")
 
 from branchgym.agents.policy import TextPolicy  # noqa: E402
-from branchgym.rollout.executors import EnvRecipe  # noqa: E402
+from branchgym.rollout.executor_base import EnvRecipe  # noqa: E402
 from branchgym.rollout.fleet import FleetExecutor  # noqa: E402
 from branchgym.rollout.grow import grow_tree  # noqa: E402
 

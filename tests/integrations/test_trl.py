@@ -165,7 +165,7 @@ def fixed_tree():
 
     engine = HFEngine(model, tok, device="cpu", max_new_tokens=6)
     policy = LLMPolicy(engine, PickByReply(), max_new_tokens=6)
-    from branchgym.rollout.executors import EnvRecipe
+    from branchgym.rollout.executor_base import EnvRecipe
 
     tree = grow_tree(
         EnvRecipe(ENV, {**ENV_KWARGS, "max_episode_steps": 3}),

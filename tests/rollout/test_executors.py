@@ -12,8 +12,8 @@ import branchgym
 from branchgym.agents.policy import TextPolicy
 from branchgym.envs.toy.text_tree_mdp import TextTreeMDP
 from branchgym.error import ExecutorError
+from branchgym.rollout.executor_base import EnvRecipe
 from branchgym.rollout.executors import (
-    EnvRecipe,
     InProcessExecutor,
     ThreadExecutor,
     make_executor,

@@ -6,7 +6,8 @@ import pytest
 
 import branchgym
 from branchgym.agents.policy import ScriptedPolicy, TabularPolicy, TextPolicy
-from branchgym.rollout.executors import EnvRecipe, InProcessExecutor
+from branchgym.rollout.executor_base import EnvRecipe
+from branchgym.rollout.executors import InProcessExecutor
 from branchgym.rollout.grow import group_rollouts, grow_tree
 from branchgym.rollout.schedules import ForkPoint
 

@@ -8,7 +8,8 @@ import branchgym
 from branchgym.agents.policy import TabularPolicy, TextPolicy
 from branchgym.error import OptionError, ScheduleError
 from branchgym.rollout.batch import BatchStats, grow_trees_batched
-from branchgym.rollout.executors import EnvRecipe, InProcessExecutor
+from branchgym.rollout.executor_base import EnvRecipe
+from branchgym.rollout.executors import InProcessExecutor
 from branchgym.rollout.grow import grow_tree
 from branchgym.rollout.schedules import depths_schedule, get_schedule, planned_steps
 
