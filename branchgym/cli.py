@@ -378,8 +378,8 @@ COMMANDS: dict[
         "the main job: compact snapshot, branching, variance and learning studies + summary",
     ),
     "diagnose": (
-        _lazy("branchgym.bench.variance", "configure_diagnose"),
-        _lazy("branchgym.bench.variance", "cmd_diagnose"),
+        _lazy("branchgym.bench.diagnose", "configure_diagnose"),
+        _lazy("branchgym.bench.diagnose", "cmd_diagnose"),
         "will branching pay on my task? the source's variance diagnostic, one answer",
     ),
     "scenarios": (
