@@ -2,9 +2,9 @@
 
 A learner's training step is rollouts -> advantages -> loss -> gradient -> optimizer
 step. :func:`probe_learner` runs the learner's own ``main`` (its rollouts, its
-advantages: the entries of :data:`branchgym.agents.advantages.ADVANTAGES` it picks,
+advantages: the entries of :data:`branchgym.agents.estimators.advantages.ADVANTAGES` it picks,
 its fallbacks and masks, its aggregation) with a :class:`ProbeRun` in place of
-:class:`~branchgym.agents.run.Run`: instead of an optimizer update, each batch's
+:class:`~branchgym.agents.training.run.Run`: instead of an optimizer update, each batch's
 **surrogate policy gradient** is computed and handed to a callback, and the weights
 never change. So every batch is an independent draw of the learner's gradient
 estimator at one fixed policy, and nothing of eq. 4/5 is re-implemented here.
@@ -35,7 +35,7 @@ from unittest import mock
 
 import numpy as np
 
-from branchgym.agents.run import Batch, Chunk, Run, TrainResult, token_weight
+from branchgym.agents.training.run import Batch, Chunk, Run, TrainResult, token_weight
 from branchgym.error import TrainingConfigError
 
 try:
@@ -262,7 +262,7 @@ def probe_learner(
         _, main = spec.load()
         if getattr(module, "Run", None) is not Run:
             raise TrainingConfigError(
-                f"{spec.module} does not build its run with branchgym.agents.run.Run; the "
+                f"{spec.module} does not build its run with branchgym.agents.training.run.Run; the "
                 "gradient probe cannot stand in for it."
             )
         seen = [0]

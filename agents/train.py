@@ -26,9 +26,9 @@ import sys
 import typing
 from typing import Any
 
-from branchgym.error import CheckpointError, TrainingConfigError
+from branchgym.error import CheckpointError, Error, TrainingConfigError
 
-__all__ = ["LEARNERS", "Learner", "configure", "learner", "make_args", "run", "train"]
+__all__ = ["LEARNERS", "Learner", "configure", "learner", "main", "make_args", "run", "train"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -57,23 +57,30 @@ class Learner:
 
 #: ``--algo`` name -> learner.
 LEARNERS: dict[str, Learner] = {
-    "bpo": Learner("branchgym.agents.bpo", summary="Branching PO (algorithms.md §1)"),
+    "bpo": Learner("branchgym.agents.learners.bpo", summary="Branching PO (algorithms.md §1)"),
     "grpo": Learner(
-        "branchgym.agents.grpo", fixed=(("advantage", "grpo"),), summary="GRPO baseline (§4)"
+        "branchgym.agents.learners.grpo",
+        fixed=(("advantage", "grpo"),),
+        summary="GRPO baseline (§4)",
     ),
     "rloo": Learner(
-        "branchgym.agents.grpo", fixed=(("advantage", "rloo"),), summary="RLOO baseline (§4)"
+        "branchgym.agents.learners.grpo",
+        fixed=(("advantage", "rloo"),),
+        summary="RLOO baseline (§4)",
     ),
-    "bellman_po": Learner("branchgym.agents.bellman_po", summary="Bellman PO (§3)"),
-    "branch_opd": Learner("branchgym.agents.branch_opd", summary="Branching OPD (§2)"),
-    "opd": Learner("branchgym.agents.opd", summary="vanilla on-policy distillation (§2)"),
+    "bellman_po": Learner("branchgym.agents.learners.bellman_po", summary="Bellman PO (§3)"),
+    "branch_opd": Learner("branchgym.agents.learners.branch_opd", summary="Branching OPD (§2)"),
+    "opd": Learner(
+        "branchgym.agents.learners.branch_opd",
+        args="OPDArgs",
+        summary="vanilla on-policy distillation (§2)",
+    ),
     "opd_multi": Learner(
-        "branchgym.agents.opd",
-        args="MultiArgs",
-        main="main_multi",
+        "branchgym.agents.learners.branch_opd",
+        args="MultiOPDArgs",
         summary="multi-rollout OPD, n = 7 (§2)",
     ),
-    "sft": Learner("branchgym.agents.sft", summary="SFT warm start from scripted experts"),
+    "sft": Learner("branchgym.agents.learners.sft", summary="SFT warm start from scripted experts"),
 }
 
 
@@ -90,7 +97,7 @@ def learner(algo: str) -> Learner:
 
 def make_args(algo: str, **options: Any) -> Any:
     """The learner's Args from keyword options (strings are converted, names checked)."""
-    from branchgym.agents.run import args_from_dict
+    from branchgym.agents.training.run import args_from_dict
 
     spec = learner(algo)
     cls, _ = spec.load()
@@ -110,7 +117,7 @@ def train(algo: str, **options: Any) -> Any:
     With ``resume=<checkpoint>``, the checkpoint's options are the defaults and the given
     ones override them.
     """
-    from branchgym.agents.run import load_checkpoint_state
+    from branchgym.agents.training.run import load_checkpoint_state
 
     if options.get("resume"):
         state = load_checkpoint_state(options["resume"])
@@ -177,7 +184,7 @@ def configure(p: argparse.ArgumentParser) -> None:
 
 
 def _options_table(algo: str) -> str:
-    from branchgym.agents.run import field_docs
+    from branchgym.agents.training.run import field_docs
 
     cls, _ = learner(algo).load()
     docs = field_docs(cls)
@@ -235,7 +242,7 @@ def run(ns: argparse.Namespace) -> int:
     if ns.no_progress:
         options["progress"] = False
     if getattr(ns, "dry_run", False):
-        from branchgym.agents.memory import plan_for_args
+        from branchgym.agents.training.memory import plan_for_args
 
         args = make_args(algo, **options)
         reference = float(getattr(args, "beta", 0) or 0) > 0
@@ -256,7 +263,19 @@ def run(ns: argparse.Namespace) -> int:
     return 0
 
 
-if __name__ == "__main__":  # `python -m branchgym.agents.train`, e.g. under torchrun
-    from branchgym.cli import main as _cli_main
+def main(argv: list[str] | None = None) -> int:
+    """``python -m branchgym.agents.train ARGS`` (e.g. under torchrun): ``branchgym train ARGS``."""
+    parser = argparse.ArgumentParser(
+        prog="branchgym train", description="train a reference learner"
+    )
+    configure(parser)
+    args = parser.parse_args(argv)
+    try:
+        return run(args)
+    except Error as exc:  # as ``branchgym train`` reports it
+        print(f"branchgym train: {exc}", file=sys.stderr)
+        return 1
 
-    sys.exit(_cli_main(["train", *sys.argv[1:]]))
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -21,7 +21,7 @@ TextTreeMDP with free generation, once per engine (``--engines hf vllm``; ``vllm
 trainer's ``engine=vllm`` option). For each it prints the time per step, tokens per
 second, peak memory (CUDA: ``torch.cuda.max_memory_allocated``; CPU: the peak resident
 set sampled while the learner ran; with ``vllm`` the worker process's memory is not in
-it), the memory model's estimate of the trainer (``branchgym.agents.memory``), the share
+it), the memory model's estimate of the trainer (``branchgym.agents.training.memory``), the share
 of replies that did not parse and the share of nonzero advantages. Memory is freed
 between learners.
 
@@ -59,7 +59,7 @@ QWEN2_05B = {
     "num_attention_heads": 14,
     "num_key_value_heads": 2,
 }
-#: The tiny Qwen2's shape (agents/models.py).
+#: The tiny Qwen2's shape (agents/policies/models.py).
 TINY = {
     "hidden_size": 128,
     "intermediate_size": 256,
@@ -71,7 +71,7 @@ TINY = {
 
 def tokenizer(name: str) -> Any:
     """The tokenizer the model is built around (its vocabulary sets the model's)."""
-    from branchgym.agents.models import load_model, tiny_tokenizer
+    from branchgym.agents.policies.models import load_model, tiny_tokenizer
 
     if name == "tiny":
         return tiny_tokenizer()
@@ -118,7 +118,7 @@ def build_model(folder: Path, *, tiny: bool, tok_name: str, seed: int) -> dict[s
 
 def smollm2_folder() -> Path:
     """SmolLM2-135M-Instruct's converted folder (converted from the GGUF once)."""
-    from branchgym.agents.models import cache_dir, smollm2
+    from branchgym.agents.policies.models import cache_dir, smollm2
 
     smollm2()
     return cache_dir() / "smollm2-135m-instruct"
@@ -126,7 +126,7 @@ def smollm2_folder() -> Path:
 
 def model_facts(folder: Path) -> dict[str, Any]:
     """Parameters, vocabulary and tokenizer of a model folder."""
-    from branchgym.agents.models import load_model
+    from branchgym.agents.policies.models import load_model
 
     model, tok = load_model(folder)
     facts = {
@@ -168,17 +168,17 @@ class PeakRSS:
 
 def trainer_has_engine_option() -> bool:
     """Whether the trainer takes ``engine=vllm`` (vLLM generation inside training)."""
-    from branchgym.agents.options import TrainArgs
+    from branchgym.agents.training.options import TrainArgs
 
     return "engine" in {f.name for f in dataclasses.fields(TrainArgs)}
 
 
 def memory_estimate(algo: str, options: dict[str, Any]) -> float | None:
-    """The memory model's estimate in GiB, when ``branchgym.agents.memory`` is installed."""
-    if importlib.util.find_spec("branchgym.agents.memory") is None:
+    """The memory model's estimate in GiB (``branchgym.agents.training.memory``), if installed."""
+    if importlib.util.find_spec("branchgym.agents.training.memory") is None:
         return None
-    from branchgym.agents import memory
     from branchgym.agents.train import make_args
+    from branchgym.agents.training import memory
 
     args = make_args(algo, **options)
     # a frozen model of the student's size: the KL reference (beta > 0) or the teacher

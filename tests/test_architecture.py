@@ -1,7 +1,16 @@
 """Import arrows run one way: env -> snapshot -> tree -> rows -> loss -> learner.
 
 These tests read the source with :mod:`ast` (no imports run), so a lazy import inside a
-function counts the same as one at the top of a module.
+function counts the same as one at the top of a module. The rules:
+
+* layers, bottom up: the engine, ``wrappers/``, ``envs/``, ``scenarios/``, ``agents/``,
+  ``integrations/``, ``bench/``, then the front door (the package's ``__init__.py``, the
+  CLI); a module imports its own layer or lower ones (:data:`LAYERS`);
+* inside ``agents/``, subpackages by job, bottom up: ``policies``, ``engines``,
+  ``estimators``, ``forward``, ``training``, ``learners``, then the modules that pick a
+  learner by name (:data:`AGENT_LAYERS`); learners never import each other;
+* no import loops anywhere: where two modules need each other, the shared piece moves
+  down (:func:`import_loops`).
 """
 
 import ast
@@ -55,7 +64,7 @@ def is_under(module: str, package: str) -> bool:
 
 
 def test_module_names_map_the_source_folders():
-    assert module_name(ROOT / "agents" / "policy.py") == "branchgym.agents.policy"
+    assert module_name(ROOT / "agents" / "policies" / "policy.py") == "branchgym.agents.policies.policy"
     assert module_name(ROOT / "branchgym" / "bench" / "__init__.py") == "branchgym.bench"
 
 
@@ -281,3 +290,180 @@ def test_the_source_papers_figures_live_in_one_module():
                 if not isinstance(node.value, bool) and float(node.value) in figures:
                     offenders.append(f"{path.relative_to(ROOT)}:{node.lineno}: {node.value}")
     assert not offenders, "source figures written as literals:\n" + "\n".join(offenders)
+
+
+#: Layers bottom up: a module may import modules of its own layer or of a lower one.
+#: ``integrations/`` (branchgym inside other trainers) builds on the learners; ``bench/``
+#: (studies) on everything; the front door (the package's ``__init__.py``, the CLI, the
+#: ``serve`` command) sits on top.
+LAYERS = ("engine", "wrappers", "envs", "scenarios", "agents", "integrations", "bench", "front")
+
+#: ``agents/`` subpackages bottom up (``top``: the package's own modules, ``train`` and
+#: ``gradient_probe``, which pick a learner by name).
+AGENT_LAYERS = ("policies", "engines", "estimators", "forward", "training", "learners", "top")
+
+#: The root package (``branchgym/__init__.py``) registers the built-in envs by entry-point
+#: strings; any module may ``import branchgym`` to make an env by id, so arrows into the
+#: root are not layer or loop arrows.
+ROOT_PACKAGE = "branchgym"
+
+
+def layer(module: str) -> tuple[int, int]:
+    """``(layer, agents sub-layer)`` of a module of ours (sub-layer 0 outside agents/)."""
+    parts = module.split(".")
+    if module in (ROOT_PACKAGE, "branchgym.cli", "branchgym.serve.command"):
+        return LAYERS.index("front"), 0
+    top = parts[1] if len(parts) > 1 else ""
+    if top == "agents":
+        sub = parts[2] if len(parts) > 3 else "top"
+        sub = sub if sub in AGENT_LAYERS else "top"
+        return LAYERS.index("agents"), AGENT_LAYERS.index(sub)
+    if top in LAYERS:
+        return LAYERS.index(top), 0
+    return LAYERS.index("engine"), 0
+
+
+def import_graph(files) -> dict[str, dict[str, int]]:
+    """``{module: {imported module of ours: line}}`` over ``files``.
+
+    ``from pkg import name`` points at ``pkg.name`` when that is a module of ours, else at
+    ``pkg`` (its ``__init__``); an import of the bare folder (``agents.x``) counts as the
+    installed name. Arrows into :data:`ROOT_PACKAGE` are left out.
+    """
+    files = list(files)
+    known = {module_name(p) for p in files}
+
+    def resolve(name: str) -> str | None:
+        for folder, package in PACKAGES.items():
+            if folder != package and (name == folder or name.startswith(folder + ".")):
+                name = package + name[len(folder) :]
+        while name and name not in known:
+            name = name.rpartition(".")[0]
+        return name or None
+
+    graph: dict[str, dict[str, int]] = {}
+    for path in files:
+        me = module_name(path)
+        out = graph.setdefault(me, {})
+        for line, module, names in imports(path):
+            targets = [f"{module}.{n}" for n in names] if names else [module]
+            for target in targets:
+                hit = resolve(target)
+                if hit and hit not in (me, ROOT_PACKAGE):
+                    out.setdefault(hit, line)
+    return graph
+
+
+def import_loops(graph: dict[str, dict[str, int]]) -> list[list[str]]:
+    """Every set of modules that import each other (strongly connected, size > 1)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    loops: list[list[str]] = []
+
+    def visit(v: str) -> None:  # Tarjan's algorithm
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in graph.get(v, {}):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            comp = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                comp.append(w)
+                if w == v:
+                    break
+            if len(comp) > 1:
+                loops.append(sorted(comp))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return loops
+
+
+def upward_arrows(graph: dict[str, dict[str, int]]) -> list[str]:
+    """Imports from a lower layer (or agents sub-layer) into a higher one, and learner ->
+    learner."""
+    found = []
+    for src, targets in sorted(graph.items()):
+        for dst, line in sorted(targets.items()):
+            if layer(dst) > layer(src):
+                found.append(f"{src}:{line} -> {dst}")
+            elif layer(src) == layer(dst) == layer("branchgym.agents.learners.x"):
+                found.append(f"{src}:{line} -> {dst} (learners never import each other)")
+    return found
+
+
+def test_layers_name_every_agents_subpackage():
+    subs = {p.name for p in (ROOT / "agents").iterdir() if (p / "__init__.py").exists()}
+    assert subs == set(AGENT_LAYERS) - {"top"}, "add the new agents/ subpackage to AGENT_LAYERS"
+    for sub in subs:
+        doc = ast.get_docstring(ast.parse((ROOT / "agents" / sub / "__init__.py").read_text()))
+        assert doc and "Imports:" in doc, f"agents/{sub}/__init__.py says what it may import"
+
+
+def test_no_import_loops():
+    loops = import_loops(import_graph(source_files(*PACKAGES)))
+    assert not loops, "modules that import each other (move the shared piece down):\n" + (
+        "\n".join(" <-> ".join(loop) for loop in loops)
+    )
+
+
+def test_no_upward_imports():
+    offenders = upward_arrows(import_graph(source_files(*PACKAGES)))
+    assert not offenders, "imports against the layers (LAYERS, AGENT_LAYERS):\n" + "\n".join(
+        offenders
+    )
+
+
+def _tree(tmp_path, files: dict[str, str]):
+    for rel, text in files.items():
+        path = tmp_path / rel
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(text)
+    return sorted(tmp_path.rglob("*.py"))
+
+
+def test_the_checks_fail_on_a_loop_and_an_upward_import(tmp_path, monkeypatch):
+    """The same checks on a made-up tree: each kind of offence is found, a clean one passes."""
+    monkeypatch.setitem(globals(), "ROOT", tmp_path)  # module_name() reads ROOT
+    files = _tree(
+        tmp_path,
+        {
+            "branchgym/__init__.py": "from branchgym import core\n",
+            "branchgym/core.py": "import branchgym\n",  # the root: no loop
+            "branchgym/a.py": "def f():\n    from branchgym.b import g\n",
+            "branchgym/b.py": "from branchgym import a\n",
+            "agents/__init__.py": "",
+            "agents/forward/__init__.py": "",
+            "agents/forward/rows.py": "from branchgym.agents.learners.bpo import loss\n",
+            "agents/learners/__init__.py": "",
+            "agents/learners/bpo.py": "from agents.learners import grpo\n",
+            "agents/learners/grpo.py": "from branchgym.agents.forward import rows\n",
+            "wrappers/__init__.py": "",
+            "wrappers/w.py": "from branchgym.envs import toy\n",
+            "branchgym/envs/__init__.py": "",
+            "branchgym/envs/toy.py": "from branchgym.core import x\n",
+        },
+    )
+    graph = import_graph(files)
+    loops = import_loops(graph)
+    assert ["branchgym.a", "branchgym.b"] in loops
+    assert not any("branchgym.core" in loop for loop in loops)
+    up = "\n".join(upward_arrows(graph))
+    assert "branchgym.agents.forward.rows:1 -> branchgym.agents.learners.bpo" in up
+    assert "branchgym.wrappers.w:1 -> branchgym.envs.toy" in up
+    assert "learners never import each other" in up
+    assert "branchgym.envs.toy" not in up.split("->")[0]
+    clean = _tree(tmp_path / "clean", {"branchgym/x.py": "from branchgym import y\n"})
+    monkeypatch.setitem(globals(), "ROOT", tmp_path / "clean")
+    assert not import_loops(import_graph(clean))
+    assert not upward_arrows(import_graph(clean))

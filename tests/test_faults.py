@@ -17,7 +17,7 @@ import gymnasium as gym
 import pytest
 
 import branchgym
-from branchgym.agents.policy import TextPolicy
+from branchgym.agents.policies.policy import TextPolicy
 from branchgym.envs.toy.text_tree_mdp import TextTreeMDP
 from branchgym.rollout.executor_base import EnvRecipe
 from branchgym.rollout.executors import InProcessExecutor, ThreadExecutor
@@ -193,7 +193,7 @@ HANG_SCRIPT = """
 import sys, time, cloudpickle, gymnasium as gym
 sys.path.insert(0, {tests!r})
 import branchgym
-from branchgym.agents.policy import TextPolicy
+from branchgym.agents.policies.policy import TextPolicy
 from {module} import {executor}
 from branchgym.rollout.grow import grow_tree
 from test_faults import spec_of, Faulty, grow

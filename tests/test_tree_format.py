@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 import branchgym
-from branchgym.agents.policy import TextPolicy
+from branchgym.agents.policies.policy import TextPolicy
 from branchgym.envs.toy.text_tree_mdp import TextTreeMDP
 from branchgym.error import DataError, TreeFormatError
 from branchgym.rollout.executor_base import EnvRecipe

@@ -107,7 +107,8 @@ def run_dir(tmp_path_factory):
 
 @pytest.mark.slow
 def test_training_saves_each_steps_trees_with_the_advantages_it_used(run_dir):
-    from branchgym.agents import advantages, bpo
+    from branchgym.agents.estimators import advantages
+    from branchgym.agents.learners import bpo
 
     files = sorted(p.name for p in (run_dir / "trees").iterdir())
     assert files == ["step_000001.json.gz", "step_000002.json.gz"]

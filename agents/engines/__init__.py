@@ -5,5 +5,7 @@
 
 Both offer ``generate(prompts, n, prefixes=..., seed=...) -> [[Generation]]`` and
 ``score(prompt, completions)``, and both expose ``tokenizer``, ``encode`` and
-``decode``, which is all :class:`branchgym.agents.policy.LLMPolicy` needs.
+``decode``, which is all :class:`branchgym.agents.policies.policy.LLMPolicy` needs.
+
+Imports: the engine and :mod:`branchgym.agents.policies` (models, the policy protocol).
 """

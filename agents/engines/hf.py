@@ -276,7 +276,7 @@ class HFEngine:
     @classmethod
     def from_pretrained(cls, name: str, **kwargs: Any) -> HFEngine:
         """``tiny``, ``smollm2`` or a model folder (see ``models.load_model``)."""
-        from branchgym.agents.models import load_model
+        from branchgym.agents.policies.models import load_model
 
         model, tok = load_model(name)
         return cls(model, tok, **kwargs)

@@ -267,7 +267,7 @@ def _tree_check(eng: VLLMEngine) -> dict[str, Any]:
     import gymnasium as gym
 
     import branchgym
-    from branchgym.agents.policy import Context, LLMPolicy, Turn
+    from branchgym.agents.policies.policy import Context, LLMPolicy, Turn
     from branchgym.rollout.grow import grow_tree
 
     policy = LLMPolicy(eng, max_new_tokens=6)

@@ -13,8 +13,8 @@ plain Python lists, so the two venvs need not share numpy or torch builds.
 The worker runs :class:`~branchgym.agents.engines.vllm.VLLMEngine`: automatic prefix
 caching on, and each request carries ``n`` samples, so the siblings of a branch point
 are one vLLM request (one prefill of their shared context). :class:`VLLMWorker` has the
-engine interface :class:`~branchgym.agents.policy.LLMPolicy` and
-:class:`~branchgym.agents.scoring.ScoringPolicy` use (``generate``, ``score``,
+engine interface :class:`~branchgym.agents.policies.policy.LLMPolicy` and
+:class:`~branchgym.agents.policies.scoring.ScoringPolicy` use (``generate``, ``score``,
 ``encode``, ``decode``, ``stop_token_ids``, ``max_positions``), with the tokenizer kept
 in this process.
 
@@ -139,7 +139,7 @@ class VLLMWorker:
         startup_timeout: Seconds the worker may take to start.
         log_path: Where the worker's output goes (default: in its temporary folder).
         remove_model: Delete the ``model`` folder on :meth:`close` (a copy made for the
-            worker, e.g. by :func:`~branchgym.agents.vllm_training.start_worker`).
+            worker, e.g. by :func:`~branchgym.agents.training.vllm_training.start_worker`).
     """
 
     def __init__(

@@ -5,7 +5,7 @@ Every learner trains the tiny random Qwen2 (scoring policy) on the CI maze
 0.43, optimal 0.92) with the same rollouts per prompt (N = 7: Branching PO's M = 2,
 K = 4; GRPO/RLOO N = 7; Bellman PO G = 7; Branching OPD 1 + B k = 7 at most, its
 multi-rollout baseline n = 7), the same prompts per step and learning rate, over
-several seeds. Success is exact (``branchgym.agents.evaluation.exact_value``), so the
+several seeds. Success is exact (``branchgym.agents.training.evaluation.exact_value``), so the
 curves carry no evaluation noise, only training noise across seeds.
 
 Reported per learner: exact success at the start and the end (mean and standard error

@@ -461,7 +461,7 @@ def _noise_lines(args: argparse.Namespace, maze: dict[str, Any]) -> list[str]:
 
 
 def _tiny_params() -> int:
-    from branchgym.agents.models import tiny_qwen2
+    from branchgym.agents.policies.models import tiny_qwen2
 
     model, _ = tiny_qwen2()
     return sum(p.numel() for p in model.parameters())

@@ -126,7 +126,7 @@ def _grow(
 
 def _state_keeping(report: Report, envs: dict[str, dict[str, Any]], n_trees: int, ex: Any) -> None:
     """Snapshot every step vs replay to the chosen steps, with a fast random text policy."""
-    from branchgym.agents.policy import TextPolicy
+    from branchgym.agents.policies.policy import TextPolicy
     from branchgym.rollout.executor_base import EnvRecipe
     from branchgym.rollout.grow import grow_tree
 
@@ -195,8 +195,8 @@ def main(args: argparse.Namespace) -> int:
     """Run the study and write ``<out>/branching.md``."""
     from branchgym import live_snapshots
     from branchgym.agents.engines.hf import HFEngine
-    from branchgym.agents.models import load_model, tiny_qwen2
-    from branchgym.agents.policy import LLMPolicy
+    from branchgym.agents.policies.models import load_model, tiny_qwen2
+    from branchgym.agents.policies.policy import LLMPolicy
 
     n_trees = min(args.trees, 2) if args.quick else args.trees
     seeds = np.arange(n_trees)

@@ -83,9 +83,9 @@ def exact_reverse_kl(env_kwargs: dict[str, Any], student: np.ndarray, teacher: n
 def _table(checkpoint: str, env_kwargs: dict[str, Any], threads: int) -> np.ndarray:
     """The exact ``pi[node, action]`` of a scoring policy saved at ``checkpoint``."""
     from branchgym.agents.engines.hf import HFEngine
-    from branchgym.agents.evaluation import exact_value
-    from branchgym.agents.models import load_model
-    from branchgym.agents.scoring import ScoringPolicy
+    from branchgym.agents.policies.models import load_model
+    from branchgym.agents.policies.scoring import ScoringPolicy
+    from branchgym.agents.training.evaluation import exact_value
     from branchgym.rollout.executor_base import EnvRecipe
 
     model, tok = load_model(checkpoint)

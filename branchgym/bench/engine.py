@@ -130,7 +130,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
 
 
 def _model(name: str) -> tuple[Any, Any, str]:
-    from branchgym.agents.models import load_model, smollm2_gguf
+    from branchgym.agents.policies.models import load_model, smollm2_gguf
 
     if name == "auto":
         try:
@@ -376,7 +376,7 @@ def _rollout_rows(args: argparse.Namespace, report: Report) -> list:
     import gymnasium as gym
 
     from branchgym.agents.engines.hf import HFEngine
-    from branchgym.agents.policy import LLMPolicy
+    from branchgym.agents.policies.policy import LLMPolicy
     from branchgym.rollout.batch import BatchStats, grow_trees_batched
     from branchgym.rollout.grow import grow_tree, spec_of
 

@@ -61,10 +61,10 @@ def configure(parser: argparse.ArgumentParser) -> None:
 
 
 def sibling_advantages(returns: np.ndarray) -> np.ndarray:
-    """Eq. (4) on NumPy returns: the shared definition in ``branchgym.agents.losses``."""
+    """Eq. (4) on NumPy returns: the shared definition in ``branchgym.agents.estimators.losses``."""
     import torch
 
-    from branchgym.agents.advantages import sibling_advantages as eq4
+    from branchgym.agents.estimators.advantages import sibling_advantages as eq4
 
     return eq4(torch.as_tensor(np.asarray(returns, dtype=np.float64))).numpy()
 

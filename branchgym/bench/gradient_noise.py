@@ -12,7 +12,7 @@ and is no measure of how noisy an estimator is. This study measures that directl
   ``--batches`` independent batches by running the learner's own training step with the
   optimizer step replaced by a gradient read-out
   (:func:`branchgym.agents.gradient_probe.probe_learner`): its own rollouts and
-  advantages (the entries of ``branchgym.agents.advantages.ADVANTAGES`` it picks:
+  advantages (the entries of ``branchgym.agents.estimators.advantages.ADVANTAGES`` it picks:
   eq. 4/5 for Branching PO, the group baselines for GRPO/RLOO), its aggregation, ratio 1
   and beta 0;
 * flatten each batch's surrogate gradient over all trainable parameters (no projection;

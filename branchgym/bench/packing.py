@@ -1,7 +1,7 @@
 """``branchgym bench packing``: the packed paths (4-D mask, KV cache) against plain rows.
 
 The learners' forward passes read a group's rows (or a tree's paths) either one row per
-sequence with the causal mask, or as one packed sequence per tree (``agents/forward.py``:
+sequence with the causal mask, or as one packed sequence per tree (``agents/forward/packed.py``:
 ``pack_trees``), where every shared prefix is read once and a 4-D mask gives each token
 the context it had in its own row. The study times forward + backward of ``--groups``
 groups (default one) of ``--rows`` rows (a prompt of ``--prompt`` tokens shared by a
@@ -13,11 +13,11 @@ them) five ways:
   so the same tokens both ways: what the mask alone costs per token;
 * ``tree, 4-D mask``: the packed sequence (prompt once, then each completion as a branch)
   in one call with a dense 4-D mask;
-* ``tree, KV cache``: the same packed sequence in a few calls (``agents/level_forward.py``):
+* ``tree, KV cache``: the same packed sequence in a few calls (``agents/forward/levels.py``):
   the prompt first, then the branches with the prompt's keys and values as a cache, so
   a branch attends only what it sees;
 * ``tree, flat``: every group in one token trie (a prompt the groups share is read once)
-  read as one unpadded row (``agents/flat_forward.py``): each token once through the
+  read as one unpadded row (``agents/forward/flat.py``): each token once through the
   linear layers, attention per piece; the learners' default where the model allows it.
 
 It prints tokens read, seconds, tokens/s (what a token costs on that path) and row tokens/s
@@ -72,7 +72,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
 def _workload(
     rows: int, prompt: int, completion: int, vocab: int, groups: int = 1
 ) -> tuple[list, list[int]]:
-    from branchgym.agents.forward import Pack
+    from branchgym.agents.forward.packed import Pack
 
     rng = np.random.default_rng(0)
     packs, keys = [], []
@@ -109,8 +109,8 @@ def main(args: argparse.Namespace) -> int:
     """Run the study and write ``<out>/packing.md``."""
     import torch
 
-    from branchgym.agents.flat_forward import flat_supported
-    from branchgym.agents.forward import (
+    from branchgym.agents.forward.flat import flat_supported
+    from branchgym.agents.forward.packed import (
         FLAT,
         backbone,
         best_cut,
@@ -120,7 +120,7 @@ def main(args: argparse.Namespace) -> int:
         pair_cost,
         plan_packs,
     )
-    from branchgym.agents.models import load_model, smollm2_gguf
+    from branchgym.agents.policies.models import load_model, smollm2_gguf
 
     torch.set_num_threads(args.threads)
     cpu = torch.device("cpu")

@@ -47,7 +47,7 @@ def _loo_variance(returns: np.ndarray) -> tuple[float, float]:
     """Var of the leave-one-out advantage (mean 0): per-group mean of A^2, and its SE."""
     import torch
 
-    from branchgym.agents.advantages import rloo_advantages
+    from branchgym.agents.estimators.advantages import rloo_advantages
 
     adv = rloo_advantages(torch.as_tensor(returns)).advantages.numpy()
     stat = (adv**2).mean(axis=1)
@@ -162,7 +162,7 @@ def section_unbiased(report: Report, args: argparse.Namespace, rng: Any) -> None
     """Eq. (4) at one branch state: measured mean per action vs exact Q - V."""
     import torch
 
-    from branchgym.agents.advantages import sibling_advantages
+    from branchgym.agents.estimators.advantages import sibling_advantages
 
     env = TreeMDP(
         depth=3, n_actions=3, n_outcomes=2, transition_noise=0.3, reward_noise=0.2, structure_seed=1

@@ -8,7 +8,7 @@ TextTreeMDP maze (``n_actions = 3``, Bernoulli rewards):
   ``GRPOTrainer`` runs as it is): ``--prompts`` prompts x N = 1 + M(K - 1) completions
   per step, in
 
-  - ``branchgym grpo``: :mod:`branchgym.agents.grpo` (the ``generate`` policy on
+  - ``branchgym grpo``: :mod:`branchgym.agents.learners.grpo` (the ``generate`` policy on
     :class:`~branchgym.agents.engines.hf.HFEngine`, tree packing on);
   - ``TRL GRPOTrainer``: ``trl.GRPOTrainer`` with the same prompt text (the chat head
     branchgym's policy writes), ``num_generations = N`` and a reward function that
@@ -362,9 +362,9 @@ def _trl_grpo(args: argparse.Namespace, workload: dict[str, Any], out: str) -> d
     from trl import GRPOTrainer
 
     import branchgym  # noqa: F401 - registers the env ids
-    from branchgym.agents.chat_format import chat_format
-    from branchgym.agents.models import load_model
-    from branchgym.agents.prompts import prompt_for
+    from branchgym.agents.policies.chat_format import chat_format
+    from branchgym.agents.policies.models import load_model
+    from branchgym.agents.policies.prompts import prompt_for
 
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
@@ -418,8 +418,8 @@ def _trl_branching(args: argparse.Namespace, workload: dict[str, Any], out: str)
     """BranchingGRPOTrainer on the bpo trees of the multi-turn maze."""
     import torch
 
-    from branchgym.agents.models import load_model
-    from branchgym.agents.policy_kinds import PolicyKind
+    from branchgym.agents.policies.models import load_model
+    from branchgym.agents.training.policy_kinds import PolicyKind
     from branchgym.integrations.trl import BranchingArgs, BranchingGRPOTrainer
 
     torch.set_num_threads(args.threads)
@@ -566,7 +566,7 @@ def main(args: argparse.Namespace) -> int:
     with tempfile.TemporaryDirectory() as tmp:
         # one copy of the initial weights for every trainer (TRL loads its KL reference
         # from the policy's folder)
-        from branchgym.agents.models import load_model
+        from branchgym.agents.policies.models import load_model
 
         model, tok = load_model(args.model)
         args.folder = f"{tmp}/model"

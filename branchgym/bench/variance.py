@@ -119,7 +119,7 @@ def make_policy(env: Any, name: str, *, max_new_tokens: int = 32) -> tuple[Any, 
     ``expert_plan_in_info=True``) with probability 0.5, a uniform admissible action
     otherwise. Anything else is a model (``tiny``, ``smollm2``, a folder) behind LLMPolicy.
     """
-    from branchgym.agents.policy import TabularPolicy, TextPolicy
+    from branchgym.agents.policies.policy import TabularPolicy, TextPolicy
 
     base = env.unwrapped
     if name == "expert":
@@ -129,8 +129,8 @@ def make_policy(env: Any, name: str, *, max_new_tokens: int = 32) -> tuple[Any, 
             return TabularPolicy.uniform(env), "uniform tabular"
         return TextPolicy(), "uniform over admissible actions"
     from branchgym.agents.engines.hf import HFEngine
-    from branchgym.agents.models import load_model
-    from branchgym.agents.policy import LLMPolicy
+    from branchgym.agents.policies.models import load_model
+    from branchgym.agents.policies.policy import LLMPolicy
 
     model, tok = load_model(name)
     engine = HFEngine(model, tok, max_new_tokens=max_new_tokens, threads=1)
@@ -184,7 +184,7 @@ def diagnose(
         env_id: A registered env id.
         env_kwargs: ``gym.make`` kwargs.
         policy: ``random``, a model name/folder (``tiny``, ``smollm2``, a path), or a
-            :class:`~branchgym.agents.policy.Policy`.
+            :class:`~branchgym.agents.policies.policy.Policy`.
         prompts: Task instances (reset seeds ``seed .. seed + prompts - 1``).
         independent: Independent trajectories per prompt (the source: 8).
         completions: Completions sampled from each midpoint snapshot (the source: 4).

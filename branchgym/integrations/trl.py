@@ -3,7 +3,7 @@
 For each prompt (an env reset seed) of a generation batch, the trainer grows branchgym
 rollout trees on a branchgym env through its own model (an
 :class:`~branchgym.agents.engines.hf.HFEngine` and
-:class:`~branchgym.agents.policy.LLMPolicy` over the trainer's model, so the sampler is
+:class:`~branchgym.agents.policies.policy.LLMPolicy` over the trainer's model, so the sampler is
 the model being trained), computes per-token advantages with one of branchgym's
 estimators (:data:`ESTIMATORS`), and hands TRL one row per root-to-leaf path:
 
@@ -13,7 +13,7 @@ estimators (:data:`ESTIMATORS`), and hands TRL one row per root-to-leaf path:
   observation turns between them);
 * ``tool_mask`` (TRL's multi-turn loss mask) is 1 on the tokens the path owns, so
   observation tokens are masked out and a shared prefix is counted once, by the path that
-  owns it (the ownership masks of :class:`~branchgym.agents.rows.Batch`);
+  owns it (the ownership masks of :class:`~branchgym.agents.forward.rows.Batch`);
 * ``advantages`` are ``(rows, tokens)``, each decision's advantage on its tokens;
 * ``old_per_token_logps`` are the sampler's log-probs (the behaviour policy of the tree),
   so the PPO ratio is the one branchgym's learners use.
@@ -45,11 +45,12 @@ from typing import Any
 
 import numpy as np
 
-from branchgym.agents import advantages, bpo, grpo
-from branchgym.agents.metrics import advantage_metrics, rollout_metrics
-from branchgym.agents.policy import LLMPolicy
-from branchgym.agents.policy_kinds import PolicyKind
-from branchgym.agents.rows import Batch
+from branchgym.agents.estimators import advantages
+from branchgym.agents.forward.rows import Batch
+from branchgym.agents.learners import bpo, grpo
+from branchgym.agents.policies.policy import LLMPolicy
+from branchgym.agents.training.metrics import advantage_metrics, rollout_metrics
+from branchgym.agents.training.policy_kinds import PolicyKind
 from branchgym.error import DependencyMissingError, IntegrationError, TrainingConfigError
 from branchgym.rollout.batch import run_batched
 from branchgym.rollout.executor_base import EnvRecipe, Executor
@@ -288,7 +289,7 @@ class BranchingGRPOTrainer(GRPOTrainer):
             and ``use_vllm`` off (the trainer's model samples).
         train_dataset: Rows with an integer ``seed`` column (default :func:`reset_seeds`).
         processing_class: The model's tokenizer.
-        prompt: A :class:`~branchgym.agents.prompts.PromptBuilder` (default: the one
+        prompt: A :class:`~branchgym.agents.policies.prompts.PromptBuilder` (default: the one
             registered for the env id).
         prompts: Prompts of the default train set.
         executor: Where sandboxes run: a name (``inprocess``, ``thread``, ``process``) or

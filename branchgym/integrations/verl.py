@@ -7,13 +7,14 @@ advantages. This module plugs branchgym into both registries:
 * :class:`BranchingAgentLoop` (agent-loop name ``branchgym_tree``): grows one branchgym
   rollout tree per prompt (a backbone, M branch points, K-1 siblings restored from
   environment snapshots, algorithms.md §1) through verl's server manager
-  (:class:`ServerEngine`, an engine for branchgym's :class:`~branchgym.agents.policy.LLMPolicy`),
+  (:class:`ServerEngine`, an engine for branchgym's
+  :class:`~branchgym.agents.policies.policy.LLMPolicy`),
   and returns one :class:`AgentLoopOutput` per root-to-leaf path: the path's dialogue
   as ``response_ids``, a ``response_mask`` that is 1 only on the action tokens this path
   *owns* (observation tokens and a shared prefix owned by another path are 0, so every
   generated token is counted once, as branchgym's own rows), the behaviour log-probs,
   and the per-token advantages of branchgym's estimators
-  (:data:`branchgym.agents.advantages.ADVANTAGES`: eq. 4-5 and the variants of
+  (:data:`branchgym.agents.estimators.advantages.ADVANTAGES`: eq. 4-5 and the variants of
   docs/estimators.md) in ``extra_fields["branchgym_advantages"]``.
 * ``branchgym`` in verl's advantage-estimator registry (:func:`tree_advantage`): hands
   those per-token advantages to the actor unchanged. They reach it as the batch's
@@ -95,7 +96,7 @@ ADVANTAGES_FIELD = "branchgym_advantages"
 
 @dataclasses.dataclass
 class _Sampled:
-    """One completion in the shape :class:`~branchgym.agents.policy.LLMPolicy` reads."""
+    """One completion in the shape :class:`~branchgym.agents.policies.policy.LLMPolicy` reads."""
 
     token_ids: np.ndarray
     logprobs: np.ndarray
@@ -107,7 +108,7 @@ class _Sampled:
 class ServerEngine:
     """A branchgym generation engine over verl's async server manager.
 
-    :class:`~branchgym.agents.policy.LLMPolicy` calls :meth:`generate` from the thread
+    :class:`~branchgym.agents.policies.policy.LLMPolicy` calls :meth:`generate` from the thread
     that grows the tree; each completion is one ``server_manager.generate`` coroutine,
     scheduled on the agent loop's event loop, so a branch point's K - 1 siblings are
     requested concurrently and other prompts' agent loops keep running meanwhile.
@@ -285,7 +286,7 @@ class BranchingAgentLoop(AgentLoopBase):
     ) -> None:
         """Check the tree options (a typed error names the bad one) and bind verl's pieces."""
         super().__init__(*args, **kwargs)
-        from branchgym.agents.bpo import SCHEDULE_OPTIONS, Args
+        from branchgym.agents.learners.bpo import SCHEDULE_OPTIONS, Args
 
         self.env_id = str(env_id)
         self.env_kwargs = _plain(env_kwargs or {})
@@ -326,7 +327,7 @@ class BranchingAgentLoop(AgentLoopBase):
 
     def policy(self, sampling_params: dict[str, Any], loop: asyncio.AbstractEventLoop) -> Any:
         """The LLM policy of branchgym on verl's server (the tokenizer's chat template)."""
-        from branchgym.agents.policy import LLMPolicy
+        from branchgym.agents.policies.policy import LLMPolicy
 
         rc = self.rollout_config
         engine = ServerEngine(
@@ -374,8 +375,8 @@ class BranchingAgentLoop(AgentLoopBase):
         ``rows=None`` (verl's v1 trainer, which stores every output of a loop as its own
         row) returns the paths alone.
         """
-        from branchgym.agents import advantages
-        from branchgym.agents.rows import path_decisions
+        from branchgym.agents.estimators import advantages
+        from branchgym.agents.forward.rows import path_decisions
 
         paths = tree.token_masks()
         rows = len(paths) if rows is None else int(rows)
@@ -618,7 +619,7 @@ class BranchingAgentLoopManager(AgentLoopManager):
 
 
 def _schedule(name: str) -> Any:
-    from branchgym.agents.bpo import LOCAL_SCHEDULES
+    from branchgym.agents.learners.bpo import LOCAL_SCHEDULES
 
     return LOCAL_SCHEDULES.get(name, name)
 

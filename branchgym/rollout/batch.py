@@ -17,7 +17,7 @@ tree's few lines at a time. :func:`run_batched` runs several rollout jobs (each 
 
 Same trees as one at a time: the baton order is fixed and every rollout draws from its
 own random stream (keyed by seed, branch point and sibling), so a policy that samples
-each request from its rollout's stream (every policy in ``branchgym.agents.policy``;
+each request from its rollout's stream (every policy in ``branchgym.agents.policies.policy``;
 ``HFEngine`` through its per-prompt ``seeds``) gives the same trees batched as serially:
 identical for tabular and text policies; for an LLM the same tokens, with log-probs
 equal to float tolerance (the padded batch changes summation order, and a sampled

@@ -518,7 +518,7 @@ def grow_tree(
     Args:
         env: An env instance (siblings restore into it one after another: the fast
             path), an :class:`EnvRecipe`, or a registered id.
-        policy: Samples actions (see :mod:`branchgym.agents.policy`).
+        policy: Samples actions (see :mod:`branchgym.agents.policies.policy`).
         schedule: A name in :data:`branchgym.rollout.schedules.SCHEDULES` or a function.
         m: Branch points M (B for BranchOPD).
         k: Siblings per branch point K, the backbone's own action included. Rollouts:

@@ -8,7 +8,7 @@ exact per-token entropies (algorithms.md eq. 3), and the top-20 estimate when th
 (BranchOPD's ``U_t``).
 
 This module is core: it imports nothing from ``branchgym.agents``. Concrete policies
-(tabular, text, scripted, LLM) live in :mod:`branchgym.agents.policy`, which re-exports
+(tabular, text, scripted, LLM) live in :mod:`branchgym.agents.policies.policy`, which re-exports
 these names.
 """
 

@@ -18,7 +18,7 @@ The tree answers what the learners need (docs/algorithms.md, sections 1 and 2):
 * :meth:`RolloutTree.token_masks`: per path and node, which tokens the loss counts, so
   that every shared prefix counts once (eq. 6; BranchOPD's mask M).
 
-Advantage math is not here: ``branchgym.agents.losses`` computes it from these.
+Advantage math is not here: ``branchgym.agents.estimators.losses`` computes it from these.
 """
 
 from __future__ import annotations
@@ -37,6 +37,8 @@ __all__ = [
     "RolloutTree",
     "action_entropy",
     "ENTROPY_REDUCTIONS",
+    "SUCCESS_KEYS",
+    "success_of",
 ]
 
 #: Root marker: the parent of the first decision is the reset state, not a node.
@@ -571,3 +573,18 @@ class RolloutTree:
             f"<RolloutTree {self.env_id} seed={self.seed} nodes={len(self.nodes)} "
             f"rollouts={len(self.leaves())} branch_points={len(self.branch_points())}>"
         )
+
+
+#: The ``info`` flags an env sets for success, read in this order.
+SUCCESS_KEYS = ("won", "success", "resolved")
+
+
+def success_of(tree: RolloutTree, path: Sequence[int], threshold: float = 1.0) -> bool:
+    """Whether the rollout ``path`` succeeded: the env's own flag, else return >= threshold."""
+    if not path:
+        return False
+    info = tree[path[-1]].info or {}
+    for key in SUCCESS_KEYS:
+        if key in info and isinstance(info[key], bool | np.bool_):
+            return bool(info[key])
+    return float(tree.path_returns_to_go(path)[0]) >= threshold - 1e-9

@@ -24,8 +24,8 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from branchgym.agents import advantages  # noqa: E402
-from branchgym.agents.policy import TabularPolicy  # noqa: E402
+from branchgym.agents.estimators import advantages  # noqa: E402
+from branchgym.agents.policies.policy import TabularPolicy  # noqa: E402
 from branchgym.envs.toy import TreeStructure  # noqa: E402
 from branchgym.envs.toy import estimators as est  # noqa: E402
 from branchgym.error import LossInputError, TrainingConfigError  # noqa: E402
@@ -74,8 +74,8 @@ def _registry_draws(name, options, prompts, seed, *, n=None, g=1):
 
 
 def _depths(tree, backbone, m, rng, *, depths=()):
-    """The fixed depths schedule (the study's ``fixed``), as agents/bpo.py's ``depths``."""
-    from branchgym.agents.bpo import depths_schedule
+    """The fixed depths schedule (the study's ``fixed``), as agents/learners/bpo.py's ``depths``."""
+    from branchgym.agents.learners.bpo import depths_schedule
 
     return depths_schedule(tree, backbone, m, rng, depths=depths)
 
@@ -293,7 +293,7 @@ def test_unknown_and_duplicate_names_are_refused_with_the_known_ones():
 
 
 def test_options_take_a_learners_fields():
-    from branchgym.agents import bpo, grpo
+    from branchgym.agents.learners import bpo, grpo
 
     args = bpo.Args(lam=0.9, tail="zero", schedule="depths", branch_depths=[2], m=1)
     options = advantages.AdvantageOptions.of(args)

@@ -9,8 +9,8 @@ pytest.importorskip("transformers")
 
 import branchgym  # noqa: E402
 from branchgym.agents.engines.hf import HFEngine  # noqa: E402
-from branchgym.agents.models import load_model, tiny_qwen2  # noqa: E402
-from branchgym.agents.policy import LLMPolicy  # noqa: E402
+from branchgym.agents.policies.models import load_model, tiny_qwen2  # noqa: E402
+from branchgym.agents.policies.policy import LLMPolicy  # noqa: E402
 from branchgym.agents.train import train  # noqa: E402
 from branchgym.error import EngineError  # noqa: E402
 from branchgym.rollout.batch import BatchStats, grow_trees_batched  # noqa: E402

@@ -7,9 +7,9 @@ import signal
 import pytest
 import torch
 
-from branchgym.agents import run as training
-from branchgym.agents.checkpoints import truncate_metrics, write_atomically
 from branchgym.agents.train import train
+from branchgym.agents.training import run as training
+from branchgym.agents.training.checkpoints import truncate_metrics, write_atomically
 from branchgym.error import CheckpointError
 
 ENV_KWARGS = {"depth": 3, "n_actions": 3, "reward_kind": "bernoulli", "structure_seed": 2}
@@ -66,7 +66,7 @@ def test_damaged_files_are_refused_with_the_file_and_the_fix(checkpoint, tmp_pat
 def test_non_finite_weights_are_never_saved_nor_resumed(checkpoint, tmp_path, monkeypatch):
     from safetensors.torch import load_file, save_file
 
-    from branchgym.agents.checkpoints import file_digests
+    from branchgym.agents.training.checkpoints import file_digests
 
     # A checkpoint whose optimizer state holds NaN (digests recomputed: not "damage").
     bad = copy_of(checkpoint, tmp_path)

@@ -12,7 +12,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from branchgym.agents.distributed import (  # noqa: E402
+from branchgym.agents.training.distributed import (  # noqa: E402
     DataParallel,
     data_parallel,
     reduce_metrics,
@@ -41,7 +41,7 @@ def test_one_process_is_not_distributed(monkeypatch):
 
 
 def test_distributed_option_is_checked():
-    from branchgym.agents.run import TrainArgs
+    from branchgym.agents.training.run import TrainArgs
 
     with pytest.raises(TrainingConfigError, match="distributed"):
         TrainArgs(distributed="fsdp").check()
@@ -63,7 +63,7 @@ def _dcp_model(folder: Path, tmp: Path) -> dict:
 def test_two_gloo_ranks_equal_one_process_and_resume_from_shards(tmp_path):
     from safetensors.torch import load_file
 
-    from branchgym.agents.models import save_tiny_qwen2
+    from branchgym.agents.policies.models import save_tiny_qwen2
     from branchgym.agents.train import train
 
     model = str(save_tiny_qwen2(tmp_path / "tiny"))  # one tokenizer build, not one per rank
@@ -126,7 +126,7 @@ def test_two_gloo_ranks_equal_one_process_and_resume_from_shards(tmp_path):
 
 
 def test_sharded_checkpoint_needs_its_world_size(tmp_path):
-    from branchgym.agents.run import Run, TrainArgs
+    from branchgym.agents.training.run import Run, TrainArgs
 
     ck = tmp_path / "checkpoint-000001"
     ck.mkdir()
@@ -137,10 +137,10 @@ def test_sharded_checkpoint_needs_its_world_size(tmp_path):
 
 
 def test_data_parallel_refuses_what_it_cannot_do(tmp_path, monkeypatch):
-    import branchgym.agents.run as run_module
-    from branchgym.agents.run import Run, TrainArgs
+    import branchgym.agents.training.setup as setup_module
+    from branchgym.agents.training.run import Run, TrainArgs
 
-    monkeypatch.setattr(run_module, "data_parallel", lambda *a: DataParallel(0, 2))
+    monkeypatch.setattr(setup_module, "data_parallel", lambda *a: DataParallel(0, 2))
     with pytest.raises(TrainingConfigError, match="precision=auto"):
         Run(TrainArgs(precision="bf16", out_dir=str(tmp_path)), "grpo")
     with pytest.raises(TrainingConfigError, match="one prompt per rank"):

@@ -15,8 +15,8 @@ pytest.importorskip("transformers")
 
 import branchgym  # noqa: E402
 from branchgym.agents.engines.hf import HFEngine  # noqa: E402
-from branchgym.agents.models import load_model, save_tiny_qwen2, tiny_qwen2  # noqa: E402
-from branchgym.agents.policy import ActRequest, Context, LLMPolicy, Turn  # noqa: E402
+from branchgym.agents.policies.models import load_model, save_tiny_qwen2, tiny_qwen2  # noqa: E402
+from branchgym.agents.policies.policy import ActRequest, Context, LLMPolicy, Turn  # noqa: E402
 from branchgym.error import DataError, EngineError  # noqa: E402
 from branchgym.rollout.grow import grow_tree  # noqa: E402
 from branchgym.rollout.schedules import topk_entropy  # noqa: E402
@@ -261,7 +261,7 @@ def test_vllm_engine_logprobs_match_a_forward_pass(tmp_path):
 @pytest.mark.slow
 def test_smollm2_converts_from_the_wheel_gguf_once(tmp_path):
     pytest.importorskip("gguf")
-    from branchgym.agents.models import smollm2, smollm2_gguf
+    from branchgym.agents.policies.models import smollm2, smollm2_gguf
 
     try:
         smollm2_gguf()

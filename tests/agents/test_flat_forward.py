@@ -1,4 +1,4 @@
-"""The flat read of packed trees (agents/flat_forward.py, issue 29).
+"""The flat read of packed trees (agents/forward/flat.py, issue 29).
 
 ``flat_forward`` lays packs end to end in one unpadded row and lets only attention know
 the tree. Every token must get the log-prob and gradient it has in its own row, for
@@ -16,14 +16,15 @@ import pytest
 torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
-from branchgym.agents import forward  # noqa: E402
-from branchgym.agents.flat_forward import (  # noqa: E402
+from branchgym.agents.forward import packed as forward  # noqa: E402
+from branchgym.agents.forward.flat import (  # noqa: E402
     flat_forward,
     flat_supported,
     plan,
     tree_attention,
 )
-from branchgym.agents.forward import (  # noqa: E402
+from branchgym.agents.forward.levels import pieces  # noqa: E402
+from branchgym.agents.forward.packed import (  # noqa: E402
     FLAT,
     Pack,
     backbone,
@@ -31,8 +32,7 @@ from branchgym.agents.forward import (  # noqa: E402
     packed_forward,
     plan_packs,
 )
-from branchgym.agents.level_forward import pieces  # noqa: E402
-from branchgym.agents.models import tiny_qwen2  # noqa: E402
+from branchgym.agents.policies.models import tiny_qwen2  # noqa: E402
 from branchgym.error import TrainingConfigError  # noqa: E402
 
 CPU = torch.device("cpu")

@@ -73,7 +73,7 @@ def _script():
 
 
 def test_the_model_is_built_at_its_tokenizers_vocabulary(tmp_path):
-    from branchgym.agents.models import load_model
+    from branchgym.agents.policies.models import load_model
 
     facts = _script().build_model(tmp_path / "m", tiny=True, tok_name="tiny", seed=0)
     model, tok = load_model(tmp_path / "m")

@@ -9,11 +9,11 @@ import pytest
 torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
-from branchgym.agents.chat_format import CHATML, chat_format  # noqa: E402
 from branchgym.agents.engines.hf import HFEngine  # noqa: E402
-from branchgym.agents.hub import hub_cache_dir, is_hub_id, resolve_hub_id  # noqa: E402
-from branchgym.agents.models import load_model, save_tiny_qwen2, tiny_tokenizer  # noqa: E402
-from branchgym.agents.policy import Context, LLMPolicy, Turn  # noqa: E402
+from branchgym.agents.policies.chat_format import CHATML, chat_format  # noqa: E402
+from branchgym.agents.policies.hub import hub_cache_dir, is_hub_id, resolve_hub_id  # noqa: E402
+from branchgym.agents.policies.models import load_model, save_tiny_qwen2, tiny_tokenizer  # noqa: E402
+from branchgym.agents.policies.policy import Context, LLMPolicy, Turn  # noqa: E402
 from branchgym.error import DataError, ModelNotCachedError  # noqa: E402
 
 #: A non-ChatML template (Zephyr-like markers in plain text, the reply closed by eos).
@@ -114,7 +114,7 @@ def test_prompts_follow_the_tokenizers_chat_template(hub, monkeypatch):
 
 
 def test_chatml_tokenizers_keep_their_exact_prompt_ids():
-    from branchgym.agents.models import tiny_qwen2
+    from branchgym.agents.policies.models import tiny_qwen2
 
     model, tok = tiny_qwen2()
     engine = HFEngine(model, tok, max_new_tokens=6)

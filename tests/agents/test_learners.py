@@ -10,7 +10,7 @@ least one step apart (the source's 64 tokens would allow one fork in a 3-step ma
 
 Success is measured exactly: in a tree MDP the dialogue is a function of the state, so
 the policy is a table and its success probability V(s_0) follows by backward induction
-(``branchgym.agents.evaluation.exact_value``). The comparison with the start is free of
+(``branchgym.agents.training.evaluation.exact_value``). The comparison with the start is free of
 evaluation noise.
 """
 
@@ -20,10 +20,10 @@ torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
 from branchgym.agents.engines.hf import HFEngine  # noqa: E402
-from branchgym.agents.evaluation import exact_value  # noqa: E402
-from branchgym.agents.models import load_model, tiny_qwen2  # noqa: E402
-from branchgym.agents.scoring import ScoringPolicy  # noqa: E402
+from branchgym.agents.policies.models import load_model, tiny_qwen2  # noqa: E402
+from branchgym.agents.policies.scoring import ScoringPolicy  # noqa: E402
 from branchgym.agents.train import train  # noqa: E402
+from branchgym.agents.training.evaluation import exact_value  # noqa: E402
 from branchgym.rollout.executor_base import EnvRecipe  # noqa: E402
 
 ENV_KWARGS = {"depth": 3, "n_actions": 3, "reward_kind": "bernoulli", "structure_seed": 2}
@@ -161,9 +161,9 @@ def _leaf(tree, parent, reward, error=None):
 def test_group_learners_leave_failed_rollouts_out_of_the_group():
     import numpy as np
 
-    from branchgym.agents import advantages
-    from branchgym.agents.metrics import rollout_metrics
-    from branchgym.agents.rows import Batch
+    from branchgym.agents.estimators import advantages
+    from branchgym.agents.forward.rows import Batch
+    from branchgym.agents.training.metrics import rollout_metrics
     from branchgym.rollout.tree import RolloutTree
 
     t = RolloutTree("hand", 0, "start", {})
@@ -181,7 +181,7 @@ def test_group_learners_leave_failed_rollouts_out_of_the_group():
 
 
 def test_bpo_leaves_failed_siblings_out_of_eq4():
-    from branchgym.agents import advantages
+    from branchgym.agents.estimators import advantages
     from branchgym.rollout.tree import RolloutTree
 
     t = RolloutTree("hand", 0, "start", {})

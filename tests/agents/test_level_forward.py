@@ -1,4 +1,4 @@
-"""Packed passes over a key/value cache (agents/level_forward.py, issue 29).
+"""Packed passes over a key/value cache (agents/forward/levels.py, issue 29).
 
 ``level_forward`` must give every token of a packed tree the log-prob and the gradient it
 has in its own row, for any tree shape (nested branches, side branches inside the
@@ -15,7 +15,14 @@ import pytest
 torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
-from branchgym.agents.forward import (  # noqa: E402
+from branchgym.agents.forward.levels import (  # noqa: E402
+    level_forward,
+    level_pairs,
+    level_rows,
+    levels_supported,
+    pieces,
+)
+from branchgym.agents.forward.packed import (  # noqa: E402
     Pack,
     backbone,
     best_cut,
@@ -26,14 +33,7 @@ from branchgym.agents.forward import (  # noqa: E402
     pair_cost,
     plan_packs,
 )
-from branchgym.agents.level_forward import (  # noqa: E402
-    level_forward,
-    level_pairs,
-    level_rows,
-    levels_supported,
-    pieces,
-)
-from branchgym.agents.models import tiny_qwen2  # noqa: E402
+from branchgym.agents.policies.models import tiny_qwen2  # noqa: E402
 from branchgym.error import TrainingConfigError  # noqa: E402
 
 CPU = torch.device("cpu")

@@ -16,7 +16,7 @@ pytest.importorskip("torch")
 pytest.importorskip("tensorboard")
 pytest.importorskip("wandb")
 
-from branchgym.agents import sinks  # noqa: E402
+from branchgym.agents.training import sinks  # noqa: E402
 from branchgym.cli import main as cli_main  # noqa: E402
 from branchgym.error import DependencyMissingError, TrainingConfigError  # noqa: E402
 

@@ -1,4 +1,4 @@
-"""branchgym.agents.losses: aggregation, PPO-clip, KL, Bellman PO, OPD, PBR.
+"""branchgym.agents.estimators.losses: aggregation, PPO-clip, KL, Bellman PO, OPD, PBR.
 
 The advantages these losses consume (group baselines, eq. 5, Bellman PO's weights, OPD's
 log-ratio) are tested with their module in test_advantages.py.
@@ -12,7 +12,7 @@ import math
 import pytest
 import torch
 
-from branchgym.agents import losses as L
+from branchgym.agents.estimators import losses as L
 from branchgym.error import LossInputError
 
 

@@ -1,4 +1,4 @@
-"""The memory model (agents/memory.py) and what it plans for: LoRA, bf16 master weights,
+"""The memory model (agents/training/memory.py) and what it plans for: LoRA, bf16 master weights,
 gradient checkpointing, token-budget micro-batches, tree packing, lean checkpoints and
 ``--dry-run``. Each mode is checked against the plain path where they are equal exactly.
 """
@@ -13,18 +13,19 @@ torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 pytest.importorskip("peft")
 
-from branchgym.agents import advantages, bpo  # noqa: E402
-from branchgym.agents.forward import Pack, bucketed_forward, pack_trees  # noqa: E402
-from branchgym.agents.memory import (  # noqa: E402
+from branchgym.agents.estimators import advantages  # noqa: E402
+from branchgym.agents.forward.packed import Pack, bucketed_forward, pack_trees  # noqa: E402
+from branchgym.agents.learners import bpo  # noqa: E402
+from branchgym.agents.policies.models import load_model  # noqa: E402
+from branchgym.agents.train import train  # noqa: E402
+from branchgym.agents.training.memory import (  # noqa: E402
     MasterWeights,
     estimate,
     measure_peak,
     model_shape,
     token_chunks,
 )
-from branchgym.agents.models import load_model  # noqa: E402
-from branchgym.agents.run import Batch, Run  # noqa: E402
-from branchgym.agents.train import train  # noqa: E402
+from branchgym.agents.training.run import Batch, Run  # noqa: E402
 from branchgym.cli import main as cli_main  # noqa: E402
 from branchgym.error import TrainingConfigError  # noqa: E402
 from branchgym.rollout.grow import grow_tree  # noqa: E402
@@ -93,7 +94,7 @@ def bpo_run(tmp_path_factory):
 
 
 def test_pack_trees_reads_each_shared_prefix_once_with_equal_logprobs():
-    from branchgym.agents.models import tiny_qwen2
+    from branchgym.agents.policies.models import tiny_qwen2
 
     model, _ = tiny_qwen2()
     base = list(range(5, 25))
@@ -189,7 +190,7 @@ def test_gradient_checkpointing_recomputes_layers_in_train_mode_with_equal_grads
         # checkpointed training reads packs through the one-call dense mask (a cached
         # read would be recomputed into its cache twice): count that path's calls
         with monkeypatch.context() as m:
-            m.setattr("branchgym.agents.forward.levels_supported", lambda *a: False)
+            m.setattr("branchgym.agents.forward.packed.levels_supported", lambda *a: False)
             _grads(run, batch)
         without = len(calls)
         run.model.gradient_checkpointing_enable(
@@ -311,7 +312,7 @@ def test_estimate_is_within_tolerance_of_measured_peaks():
     """
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
-    from branchgym.agents.forward import packed_forward
+    from branchgym.agents.forward.packed import packed_forward
 
     config = Qwen2Config(
         vocab_size=1536,
@@ -394,7 +395,7 @@ def test_dry_run_plans_7b_on_one_80gb_gpu_with_lora_and_not_without(capsys):
 
 
 def test_model_shape_counts_parameters_and_lora_from_the_config(tmp_path):
-    from branchgym.agents.models import add_lora, tiny_qwen2
+    from branchgym.agents.policies.models import add_lora, tiny_qwen2
 
     model, _ = tiny_qwen2()
     model.config.save_pretrained(tmp_path)

@@ -4,7 +4,7 @@ import pytest
 
 pytest.importorskip("transformers")
 
-from branchgym.agents.models import load_model, save_tiny_qwen2, tiny_tokenizer  # noqa: E402
+from branchgym.agents.policies.models import load_model, save_tiny_qwen2, tiny_tokenizer  # noqa: E402
 
 
 def test_saved_tiny_model_tokenizes_like_the_original(tmp_path):

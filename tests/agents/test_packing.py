@@ -1,9 +1,9 @@
-"""Tree packing in every learner's forward passes (agents/forward.py, issue 29).
+"""Tree packing in every learner's forward passes (agents/forward/packed.py, issue 29).
 
 A group of independent rollouts is one tree whose root is the prompt, so the packed
 sequences of ``pack_trees`` serve every learner. Each learner runs one real step with
 its own loop; every update and every frozen pass (reference, teacher) is computed with
-packing off (the rows one by one, causal) and on (the flat read of agents/flat_forward.py)
+packing off (the rows one by one, causal) and on (the flat read of agents/forward/flat.py)
 and must agree to float32 tolerance (log-probs and gradient), and the step reads each
 distinct token once (``tokens/learner == tokens/unique``).
 """
@@ -16,15 +16,15 @@ import pytest
 torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
-from branchgym.agents.forward import (  # noqa: E402
+from branchgym.agents.forward.packed import (  # noqa: E402
     Pack,
     bucketed_forward,
     packing_exact,
     plan_packs,
 )
-from branchgym.agents.models import tiny_qwen2  # noqa: E402
-from branchgym.agents.run import Run  # noqa: E402
+from branchgym.agents.policies.models import tiny_qwen2  # noqa: E402
 from branchgym.agents.train import train  # noqa: E402
+from branchgym.agents.training.run import Run  # noqa: E402
 
 ENV_KWARGS = {"depth": 3, "n_actions": 3, "reward_kind": "bernoulli", "structure_seed": 2}
 ONE_STEP = {

@@ -1,10 +1,10 @@
-"""PBR detectors (branchgym.agents.pbr) and their use with pbr_loss."""
+"""PBR detectors (branchgym.agents.estimators.pbr) and their use with pbr_loss."""
 
 import pytest
 import torch
 
-from branchgym.agents import losses as L
-from branchgym.agents import pbr
+from branchgym.agents.estimators import losses as L
+from branchgym.agents.estimators import pbr
 from branchgym.error import LossInputError
 
 EOS, THINK_CLOSE = 0, 9

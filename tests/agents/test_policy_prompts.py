@@ -5,7 +5,7 @@ import math
 import numpy as np
 import pytest
 
-from branchgym.agents.policy import (
+from branchgym.agents.policies.policy import (
     ActRequest,
     Context,
     Policy,
@@ -15,7 +15,7 @@ from branchgym.agents.policy import (
     Turn,
     sequence_distribution,
 )
-from branchgym.agents.prompts import (
+from branchgym.agents.policies.prompts import (
     ALFWorldPrompt,
     PromptBuilder,
     SWEBenchPrompt,

@@ -5,10 +5,10 @@ import pytest
 torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
-from branchgym.agents import forward as fwd  # noqa: E402
-from branchgym.agents import target_logprobs as tl  # noqa: E402
-from branchgym.agents.forward import Pack, packed_forward  # noqa: E402
-from branchgym.agents.models import tiny_qwen2  # noqa: E402
+from branchgym.agents.forward import packed as fwd  # noqa: E402
+from branchgym.agents.forward import target_logprobs as tl  # noqa: E402
+from branchgym.agents.forward.packed import Pack, packed_forward  # noqa: E402
+from branchgym.agents.policies.models import tiny_qwen2  # noqa: E402
 
 
 def plain(hidden, head, targets):

@@ -1,7 +1,7 @@
 """The training machinery: losses on hand-built trees, log-prob consistency, resume, errors.
 
 The loss checks build rollout trees by hand and compare each learner's loss with the
-functions of ``branchgym.agents.losses`` applied to tensors the test lays out itself;
+functions of ``branchgym.agents.estimators.losses`` applied to tensors the test lays out itself;
 the math is never re-implemented here.
 """
 
@@ -15,30 +15,22 @@ import pytest
 torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
-from branchgym.agents import (  # noqa: E402
-    advantages,
-    bellman_po,
-    bpo,
-    branch_opd,
-    forward,
-    grpo,
-    losses,
-    pbr,
-    sft,
-)
-from branchgym.agents import run as training  # noqa: E402
 from branchgym.agents.engines.hf import HFEngine  # noqa: E402
-from branchgym.agents.models import load_model, tiny_qwen2  # noqa: E402
-from branchgym.agents.policy import ActRequest, Context, LLMPolicy, Policy  # noqa: E402
-from branchgym.agents.run import (  # noqa: E402
+from branchgym.agents.estimators import advantages, losses, pbr  # noqa: E402
+from branchgym.agents.forward import packed as forward  # noqa: E402
+from branchgym.agents.learners import bellman_po, bpo, branch_opd, grpo, sft  # noqa: E402
+from branchgym.agents.policies.models import load_model, tiny_qwen2  # noqa: E402
+from branchgym.agents.policies.policy import ActRequest, Context, LLMPolicy, Policy  # noqa: E402
+from branchgym.agents.policies.scoring import ScoringPolicy, trie_logprobs  # noqa: E402
+from branchgym.agents.train import LEARNERS, make_args, train  # noqa: E402
+from branchgym.agents.training import run as training  # noqa: E402
+from branchgym.agents.training.run import (  # noqa: E402
     POLICIES,
     Batch,
     Run,
     args_from_dict,
     field_docs,
 )
-from branchgym.agents.scoring import ScoringPolicy, trie_logprobs  # noqa: E402
-from branchgym.agents.train import LEARNERS, make_args, train  # noqa: E402
 from branchgym.cli import main as cli_main  # noqa: E402
 from branchgym.error import (  # noqa: E402
     CheckpointError,
@@ -206,7 +198,7 @@ def test_grpo_loss_equals_a_from_scratch_computation(advantage):
     """GRPO's advantages and loss on a hand-made batch against plain-float arithmetic.
 
     The expected loss is computed here token by token, with no tensor code and nothing
-    from ``branchgym.agents.losses``: per token ``rho = exp(logp - old)``, surrogate
+    from ``branchgym.agents.estimators.losses``: per token ``rho = exp(logp - old)``, surrogate
     ``min(rho * A, clip(rho, 0.8, 1.2) * A)``, k3 KL ``exp(ref - logp) - 1 - (ref - logp)``;
     each aggregated as a token mean per row, then a mean over rows.
     """
@@ -775,3 +767,13 @@ def test_pbr_logits_reach_the_loss_at_the_constraint_positions(tmp_path):
         direct = run.model(torch.tensor([seq[: where + 1]])).logits[0, -1]
     torch.testing.assert_close(seen["logits"][0].detach(), direct, atol=1e-4, rtol=1e-4)
     run.close()
+
+
+def test_policy_names_are_the_registered_policy_kinds():
+    """options checks --policy before a model loads, against the kinds policy_kinds registers."""
+    from branchgym.agents.training.options import POLICY_NAMES
+    from branchgym.agents.training.policy_kinds import POLICIES
+
+    assert tuple(POLICIES) == POLICY_NAMES
+    with pytest.raises(TrainingConfigError, match="policy"):
+        TrainArgs(policy="sampling").check()

@@ -27,11 +27,11 @@ from branchgym.agents.engines.vllm_worker import (  # noqa: E402
     find_vllm_python,
     state_dict_for_vllm,
 )
-from branchgym.agents.models import load_model  # noqa: E402
-from branchgym.agents.options import args_from_dict  # noqa: E402
-from branchgym.agents.rows import Batch, Decision, Row  # noqa: E402
+from branchgym.agents.forward.rows import Batch, Decision, Row  # noqa: E402
+from branchgym.agents.policies.models import load_model  # noqa: E402
 from branchgym.agents.train import train  # noqa: E402
-from branchgym.agents.vllm_training import shared_worker, worker_model_folder  # noqa: E402
+from branchgym.agents.training.options import args_from_dict  # noqa: E402
+from branchgym.agents.training.vllm_training import shared_worker, worker_model_folder  # noqa: E402
 from branchgym.error import DependencyMissingError, EngineError, TrainingConfigError  # noqa: E402
 from branchgym.rollout.policy import Context  # noqa: E402
 
@@ -53,7 +53,7 @@ RATIO_TOL = 1e-3
 
 # ---------------------------------------------------------------- without vLLM (fast)
 def test_vllm_options_are_checked():
-    from branchgym.agents.grpo import Args
+    from branchgym.agents.learners.grpo import Args
 
     with pytest.raises(TrainingConfigError, match="vllm"):
         args_from_dict(Args, {"engine": "vlm"})
@@ -139,8 +139,8 @@ def test_behaviour_correction_recomputes_and_caps_the_weight():
     """The trainer's log-probs replace vLLM's; the ratio's deviation and the TIS weight."""
     import types
 
-    from branchgym.agents.grpo import Args
-    from branchgym.agents.vllm_training import behaviour_correction
+    from branchgym.agents.learners.grpo import Args
+    from branchgym.agents.training.vllm_training import behaviour_correction
 
     ctx = Context("branchgym/TextTreeMDP-v0", "", {})
     mine = torch.tensor([-1.0, -2.0, -0.5, -0.1])

@@ -20,7 +20,7 @@ def test_diagnostic_matches_the_exact_ratio_on_treemdp():
 
 def test_trees_of_one_task_get_independent_env_noise():
     """Without env_seed, trees reset with one seed share the env's randomness."""
-    from branchgym.agents.policy import ScriptedPolicy
+    from branchgym.agents.policies.policy import ScriptedPolicy
     from branchgym.rollout.grow import grow_tree
 
     policy = ScriptedPolicy([0] * 6)

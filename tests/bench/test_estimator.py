@@ -210,8 +210,9 @@ def test_cli_quick_writes_report_plots_and_json(tmp_path, capsys):
 
 def _learner_gradient_ratio(prompts, seed, **options):
     """The learner's own advantages (grow_tree + the advantages registry) as a tabular gradient."""
-    from branchgym.agents import advantages, bpo
-    from branchgym.agents.policy import TabularPolicy
+    from branchgym.agents.estimators import advantages
+    from branchgym.agents.learners import bpo
+    from branchgym.agents.policies.policy import TabularPolicy
     from branchgym.rollout.executor_base import EnvRecipe
     from branchgym.rollout.grow import grow_tree
 
@@ -270,7 +271,7 @@ def test_learner_variant_advantages_give_the_exact_gradient_in_mean(options):
 
 
 def test_learner_options_validate():
-    from branchgym.agents import bpo
+    from branchgym.agents.learners import bpo
     from branchgym.error import TrainingConfigError as ConfigError
 
     bpo.Args().check()  # the spec's defaults

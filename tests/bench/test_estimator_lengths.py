@@ -212,8 +212,9 @@ def _learner_draws(tree_kw, pi, prompts, seed, **options):
     Each decision's gradient weight is its advantage / N, N = G (1 + M (K - 1)) the planned
     rollouts (``depth_weight`` makes advantage / N = credit / n_t).
     """
-    from branchgym.agents import advantages, bpo
-    from branchgym.agents.policy import TabularPolicy
+    from branchgym.agents.estimators import advantages
+    from branchgym.agents.learners import bpo
+    from branchgym.agents.policies.policy import TabularPolicy
     from branchgym.rollout.executor_base import EnvRecipe
     from branchgym.rollout.grow import grow_tree
 
@@ -308,7 +309,7 @@ def test_token_costs_count_shared_prefixes_once_only_with_packing(tmp_path):
 
 
 def test_depths_schedule_and_its_options():
-    from branchgym.agents import bpo
+    from branchgym.agents.learners import bpo
     from branchgym.error import TrainingConfigError
 
     steps = [f.step for f in bpo.depths_schedule(None, list(range(4)), 2, None, depths=(3, 1))]

@@ -9,13 +9,13 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from branchgym.agents import bpo, grpo  # noqa: E402
+from branchgym.agents.forward.rows import WEIGHTS, Batch, Decision, Row  # noqa: E402
 from branchgym.agents.gradient_probe import (  # noqa: E402
     NoiseStats,
     parse_learner,
     surrogate_gradient,
 )
-from branchgym.agents.rows import WEIGHTS, Batch, Decision, Row  # noqa: E402
+from branchgym.agents.learners import bpo, grpo  # noqa: E402
 from branchgym.cli import main  # noqa: E402
 
 # ------------------------------------------------------------ the surrogate gradient

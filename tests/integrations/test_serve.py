@@ -16,7 +16,7 @@ import pytest
 pytest.importorskip("openenv")
 pytest.importorskip("websockets")
 
-from branchgym.agents.policy import TextPolicy  # noqa: E402
+from branchgym.agents.policies.policy import TextPolicy  # noqa: E402
 from branchgym.error import (  # noqa: E402
     ForeignSnapshotError,
     RemoteAuthError,

@@ -5,7 +5,7 @@ import pytest
 pytest.importorskip("openenv")
 ray = pytest.importorskip("ray")
 
-from branchgym.agents.policy import TextPolicy  # noqa: E402
+from branchgym.agents.policies.policy import TextPolicy  # noqa: E402
 from branchgym.rollout.executor_base import EnvRecipe  # noqa: E402
 from branchgym.rollout.fleet import FleetExecutor  # noqa: E402
 from branchgym.rollout.grow import grow_tree  # noqa: E402

@@ -16,12 +16,13 @@ import pytest
 torch = pytest.importorskip("torch")
 trl = pytest.importorskip("trl")
 
-from branchgym.agents import advantages, bpo, grpo  # noqa: E402
-from branchgym.agents.models import tiny_qwen2  # noqa: E402
-from branchgym.agents.policy import LLMPolicy, admissible_actions  # noqa: E402
-from branchgym.agents.prompts import ParsedAction, TextTreePrompt, WebShopPrompt  # noqa: E402
-from branchgym.agents.rows import WEIGHTS, Batch, token_weight  # noqa: E402
-from branchgym.agents.run import Run  # noqa: E402
+from branchgym.agents.estimators import advantages  # noqa: E402
+from branchgym.agents.forward.rows import WEIGHTS, Batch, token_weight  # noqa: E402
+from branchgym.agents.learners import bpo, grpo  # noqa: E402
+from branchgym.agents.policies.models import tiny_qwen2  # noqa: E402
+from branchgym.agents.policies.policy import LLMPolicy, admissible_actions  # noqa: E402
+from branchgym.agents.policies.prompts import ParsedAction, TextTreePrompt, WebShopPrompt  # noqa: E402
+from branchgym.agents.training.run import Run  # noqa: E402
 from branchgym.error import (  # noqa: E402
     DependencyMissingError,
     IntegrationError,
@@ -437,7 +438,7 @@ def test_variant_credit_matches_the_bpo_learners(tmp_path, estimator):
 def test_the_kl_term_reads_the_reference_model(tmp_path, fixed_tree):
     """beta > 0: the hook hands TRL the reference log-probs; at the start pi == pi_ref, so
     the KL is 0 and the gradient is the beta = 0 one."""
-    from branchgym.agents.models import save_tiny_qwen2
+    from branchgym.agents.policies.models import save_tiny_qwen2
 
     folder = save_tiny_qwen2(tmp_path / "tiny")  # TRL loads its reference from the folder
     _, tok = tiny_qwen2()

@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 
 import branchgym
-from branchgym.agents.policy import ActRequest, Context, TextPolicy
+from branchgym.agents.policies.policy import ActRequest, Context, TextPolicy
 from branchgym.error import OptionError
 from branchgym.rollout.batch import (
     BatchStats,

@@ -9,7 +9,7 @@ import gymnasium as gym
 import pytest
 
 import branchgym
-from branchgym.agents.policy import TextPolicy
+from branchgym.agents.policies.policy import TextPolicy
 from branchgym.envs.toy.text_tree_mdp import TextTreeMDP
 from branchgym.error import ExecutorError
 from branchgym.rollout.executor_base import EnvRecipe

@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 
 import branchgym
-from branchgym.agents.policy import ScriptedPolicy, TabularPolicy, TextPolicy
+from branchgym.agents.policies.policy import ScriptedPolicy, TabularPolicy, TextPolicy
 from branchgym.rollout.executor_base import EnvRecipe
 from branchgym.rollout.executors import InProcessExecutor
 from branchgym.rollout.grow import group_rollouts, grow_tree

@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 
 import branchgym
-from branchgym.agents.policy import TabularPolicy, TextPolicy
+from branchgym.agents.policies.policy import TabularPolicy, TextPolicy
 from branchgym.error import OptionError, ScheduleError
 from branchgym.rollout.batch import BatchStats, grow_trees_batched
 from branchgym.rollout.executor_base import EnvRecipe

@@ -7,7 +7,7 @@ import gymnasium as gym
 import numpy as np
 import pytest
 
-from branchgym.agents.policy import TabularPolicy
+from branchgym.agents.policies.policy import TabularPolicy
 from branchgym.envs.toy.tree_mdp import TreeStructure
 from branchgym.error import ScheduleError
 from branchgym.rollout.grow import grow_tree

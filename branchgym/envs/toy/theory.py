@@ -175,7 +175,7 @@ def advantage_variances(tree_or_env: Any, policy: Any, depth: int, k: int) -> Ad
     """Theorem 2: ``Var(A^GRPO)`` and ``Var(A^BPO)`` for groups of ``k`` at ``depth``.
 
     Both are variances of the unnormalised leave-one-out advantage (eq. 4 /
-    :func:`branchgym.agents.advantages.rloo_advantages`), whose mean is 0 in both cases.
+    :func:`branchgym.agents.estimators.advantages.rloo_advantages`), whose mean is 0 in both cases.
     Every episode must reach ``depth`` undone, so that there is a state to branch at.
     """
     if isinstance(k, bool) or int(k) != k or k < 2:

@@ -11,7 +11,7 @@ import gymnasium as gym
 import pytest
 
 import branchgym
-from branchgym.agents.policy import TextPolicy
+from branchgym.agents.policies.policy import TextPolicy
 from branchgym.envs.swebench.layers import wait_for_cleanup
 from branchgym.envs.swebench.mounts import list_local_mounts, work_root
 from branchgym.error import SandboxError

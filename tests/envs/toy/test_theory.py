@@ -2,7 +2,7 @@
 
 Exact values come from branchgym.envs.toy.theory (backward induction, no sampling).
 Measured values come from Monte Carlo rollouts whose siblings are made with the env's
-own snapshot()/restore(), and the advantages from branchgym.agents.losses.
+own snapshot()/restore(), and the advantages from branchgym.agents.estimators.losses.
 
 Statistics: every check of a measured value against an exact one allows Z = 4 standard
 errors (a two-sided miss probability of about 6e-5 for a normal statistic), with the
@@ -18,8 +18,8 @@ import numpy as np
 import pytest
 import torch
 
-from branchgym.agents import advantages as A
-from branchgym.agents import losses as L
+from branchgym.agents.estimators import advantages as A
+from branchgym.agents.estimators import losses as L
 from branchgym.envs.toy import TreeMDP, TreeStructure
 from branchgym.envs.toy import theory as th
 

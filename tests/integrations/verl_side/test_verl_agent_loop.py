@@ -27,9 +27,10 @@ from verl.trainer.ppo.ray_trainer import compute_advantage
 from verl.trainer.ppo.reward import extract_reward
 from verl.workers.rollout.replica import TokenOutput
 
-from branchgym.agents import advantages, bpo
-from branchgym.agents.models import tiny_tokenizer
-from branchgym.agents.rows import Batch
+from branchgym.agents.estimators import advantages
+from branchgym.agents.forward.rows import Batch
+from branchgym.agents.learners import bpo
+from branchgym.agents.policies.models import tiny_tokenizer
 from branchgym.error import TrainingConfigError
 from branchgym.integrations import verl as bv
 
@@ -145,7 +146,7 @@ def test_paths_masks_and_advantages_are_branchgyms():
         assert "Observation:" in tok.decode(ids[mask == 0].tolist())
         # the prompt + response is the exact dialogue branchgym's policy conditioned on
         leaf_ctx = bv.Context(tree.env_id, tree.observation, tree.info)
-        from branchgym.agents.rows import path_decisions
+        from branchgym.agents.forward.rows import path_decisions
 
         last = path_decisions(tree, path, 0)[-1]
         assert out.prompt_ids + out.response_ids == policy.prompt_ids(last.context) + list(
