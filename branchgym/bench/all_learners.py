@@ -28,6 +28,7 @@ from typing import Any
 from branchgym.bench import source
 from branchgym.bench.common import Report
 from branchgym.bench.runs import (
+    RECOMMENDED_BPO,
     CI_MAZE,
     SeedResult,
     mean_curve,
@@ -62,19 +63,7 @@ DISTILL = ("branch_opd", "opd", "opd_multi")
 #: early, and RLOO at the same N. ``branch_depths`` comes from the maze
 #: (:func:`variant_options`).
 VARIANTS: dict[str, tuple[str, dict[str, Any]]] = {
-    "bpo_hz_vd": (
-        "bpo",
-        {
-            "schedule": "depths",
-            "m": 1,
-            "k": 4,
-            "backbones": 5,
-            "credit": "value_diff",
-            "depth_weight": True,
-            "depth_count": "backbone",
-            "gap_unit": "steps",
-        },
-    ),
+    "bpo_hz_vd": ("bpo", RECOMMENDED_BPO),
     "rloo_n20": ("rloo", {"n": 20}),
 }
 

@@ -21,6 +21,8 @@ from typing import Any
 import numpy as np
 
 __all__ = [
+    "RECOMMENDED_BPO",
+    "recommended_bpo",
     "CI_MAZE",
     "STUDY_MAZE",
     "SeedResult",
@@ -37,6 +39,27 @@ __all__ = [
 CI_MAZE = {"depth": 3, "n_actions": 3, "reward_kind": "bernoulli", "structure_seed": 2}
 #: A deeper maze for the learning studies (uniform 0.44, optimal 0.955).
 STUDY_MAZE = {"depth": 4, "n_actions": 3, "reward_kind": "bernoulli", "structure_seed": 2}
+
+
+#: The Branching PO design docs/estimators.md recommends, as ``bpo`` options: G = 5
+#: backbones branched at the horizon's last decision (``branch_depths``, from the maze:
+#: :func:`recommended_bpo`), value-difference credit, planned per-depth weights; N = 20
+#: rollouts per prompt, unbiased whether or not episodes end early.
+RECOMMENDED_BPO: dict[str, Any] = {
+    "schedule": "depths",
+    "m": 1,
+    "k": 4,
+    "backbones": 5,
+    "credit": "value_diff",
+    "depth_weight": True,
+    "depth_count": "backbone",
+    "gap_unit": "steps",
+}
+
+
+def recommended_bpo(maze: dict[str, Any]) -> dict[str, Any]:
+    """:data:`RECOMMENDED_BPO` on ``maze``: branched at its last decision (depth - 1)."""
+    return {**RECOMMENDED_BPO, "branch_depths": (int(maze["depth"]) - 1,)}
 
 
 @dataclasses.dataclass

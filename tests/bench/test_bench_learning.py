@@ -19,10 +19,15 @@ def test_learning_study(tmp_path, capsys):
         == 0
     )
     md = (tmp_path / "learning.md").read_text()
-    assert "| bpo |" in md and "| grpo |" in md and "| rloo |" in md
+    assert "| bpo spec (M=2, K=4, N=7) |" in md and "| grpo (N=7) |" in md
+    assert "| bpo recommended (depths, value_diff, G=5, N=20) |" in md and "| rloo (N=7) |" in md
     assert "gradient-norm variance BPO/GRPO" in md and "Against the source" in md
     data = json.loads((tmp_path / "learning.json").read_text())
-    assert "final success, BPO vs GRPO (N=7)" in data["summary"]
+    row = data["summary"]["final success: BPO recommended / BPO spec / GRPO"]
+    assert len(row["ours"].split(" / ")) == 3 and "recommended = depths" in row["note"]
+    rows = {line.split(" | ")[0].lstrip("| "): line.split(" | ") for line in md.splitlines()}
+    assert rows["bpo recommended (depths, value_diff, G=5, N=20)"][5] == "20.0"  # rollouts/prompt
+    assert rows["bpo spec (M=2, K=4, N=7)"][5] == "7.0"
     assert (tmp_path / "learning_main.png").stat().st_size > 1000
 
 
