@@ -38,11 +38,11 @@ import tarfile
 import tempfile
 import threading
 from pathlib import Path
-from typing import TYPE_CHECKING
 
-from branchgym.envs.swebench.docker_backend import (
+from branchgym.envs.swebench.docker_sandbox import (
     AGENT_HOME,
     Container,
+    ContainerHost,
     DockerSandbox,
     docker_sdk,
     owner_labels,
@@ -54,9 +54,6 @@ from branchgym.envs.swebench.runner import Runner
 from branchgym.envs.swebench.sandbox import WORKDIR, Sandbox, SandboxSnapshot, inside_workdir
 from branchgym.error import SandboxError, SandboxUnavailableError
 
-if TYPE_CHECKING:
-    from branchgym.envs.swebench.docker_backend import DockerBackend
-
 __all__ = ["DockerOverlaySnapshot", "DockerOverlaySandbox", "OverlayLayers"]
 
 
@@ -66,7 +63,7 @@ class DockerOverlaySnapshot(SandboxSnapshot):
     kind = "container+overlay"
     backend = "docker-overlay"
 
-    def __init__(self, layers: OverlaySnapshot, image_id: str, backend: DockerBackend) -> None:
+    def __init__(self, layers: OverlaySnapshot, image_id: str, backend: ContainerHost) -> None:
         """Hold ``layers`` and ``image_id`` until released."""
         images = backend.images
         images.hold(image_id)
@@ -83,7 +80,7 @@ class DockerOverlaySnapshot(SandboxSnapshot):
 class OverlayLayers:
     """What a Docker backend's overlay mode keeps on the host: the layer store and bases."""
 
-    def __init__(self, backend: DockerBackend) -> None:
+    def __init__(self, backend: ContainerHost) -> None:
         """Check that this process can mount overlayfs; the daemon is checked at first use."""
         self.store = Store.get(None)
         ok, why = overlay_support(self.store.root.parent)
@@ -181,7 +178,7 @@ class DockerOverlaySandbox(DockerSandbox):
     kind = "container+overlay"
 
     def __init__(
-        self, backend: DockerBackend, image_id: str, stack: tuple[str, ...] | None = None
+        self, backend: ContainerHost, image_id: str, stack: tuple[str, ...] | None = None
     ) -> None:
         """Start a container of ``image_id`` over ``stack`` (default: the image's /testbed)."""
         Sandbox.__init__(self)

@@ -22,12 +22,11 @@ from __future__ import annotations
 import os
 import shutil
 import subprocess
-import threading
 import weakref
 from pathlib import Path
 
 from branchgym.envs.swebench.gitsnap import gitsnap
-from branchgym.envs.swebench.layers import Reaper, Store
+from branchgym.envs.swebench.layers import GitStore, Store
 from branchgym.envs.swebench.runner import LocalSandbox, Runner
 from branchgym.envs.swebench.sandbox import (
     SandboxSnapshot,
@@ -37,70 +36,9 @@ from branchgym.error import (
 )
 
 __all__ = [
-    "GitStore",
     "GitSnapshot",
     "GitSandbox",
 ]
-
-# ---------------------------------------------------------------------------- git
-
-
-class GitStore:
-    """A private bare repository holding snapshot trees; deleted with its last user."""
-
-    def __init__(self, path: Path, reaper: Reaper) -> None:
-        self.path = path
-        self.reaper = reaper
-        self.users = 0
-        self.lock = threading.Lock()
-        self.base_trees: dict[str, tuple[dict[str, str], str]] = {}
-
-    def git(
-        self,
-        *args: str,
-        work: str | Path | None = None,
-        index: str | Path | None = None,
-        stdin: str | None = None,
-    ) -> str:
-        """Run ``git`` on the private store (``work``/``index``: a work tree and index)."""
-        env = {k: v for k, v in os.environ.items() if not k.startswith("GIT_")}
-        env.update(GIT_DIR=str(self.path), GIT_CONFIG_NOSYSTEM="1", LC_ALL="C")
-        env["GIT_CONFIG_GLOBAL"] = "/dev/null"
-        if work is not None:
-            env["GIT_WORK_TREE"] = str(work)
-        if index is not None:
-            env["GIT_INDEX_FILE"] = str(index)
-        out = subprocess.run(
-            ["git", *args],
-            cwd=work or self.path,
-            env=env,
-            capture_output=True,
-            check=False,
-            input=stdin.encode() if stdin is not None else None,
-        )
-        if out.returncode != 0:
-            raise SandboxError(
-                f"git {' '.join(args)} failed: {out.stderr.decode(errors='replace').strip()}"
-            )
-        return out.stdout.decode(errors="surrogateescape")
-
-    def hold(self) -> None:
-        """Count one more user; make the bare repository for the first."""
-        with self.lock:
-            if self.users == 0 and not self.path.exists():
-                subprocess.run(["git", "init", "-q", "--bare", str(self.path)], check=True)
-                # Snapshot trees are unreachable objects: never let git prune them.
-                self.git("config", "gc.auto", "0")
-                self.git("config", "core.fsyncMethod", "batch")
-            self.users += 1
-
-    def drop(self) -> None:
-        """Count one user less; discard the repository with the last."""
-        with self.lock:
-            self.users -= 1
-            if self.users == 0:
-                self.reaper.discard(self.path)
-                self.base_trees.clear()
 
 
 class GitSnapshot(SandboxSnapshot):

@@ -165,6 +165,8 @@ def test_prune_stale_removes_only_what_dead_processes_left(docker_ready, monkeyp
     import subprocess
     import sys
 
+    from branchgym.envs.swebench import docker_sandbox
+
     db = docker_ready
     client = db.docker_client()
     child = subprocess.run(
@@ -175,7 +177,7 @@ def test_prune_stale_removes_only_what_dead_processes_left(docker_ready, monkeyp
     )
     dead = {
         "branchgym.sandbox": "1",
-        "branchgym.host": db._HOST,
+        "branchgym.host": docker_sandbox.HOST,
         "branchgym.pid": child.stdout.strip(),
     }
     live = {**dead, "branchgym.pid": str(os.getpid())}

@@ -255,9 +255,10 @@ def test_image_without_its_testbed_env_is_refused(fixture_task):
 @pytest.mark.docker
 def test_snapshot_images_forget_how_they_ran_once_released(fixture_task):
     from branchgym.envs.swebench import docker_backend as db
+    from branchgym.envs.swebench import docker_sandbox
 
     backend = db.DockerBackend()
-    infos = db._INFO[id(backend.client)]
+    infos = docker_sandbox.IMAGE_INFO[id(backend.client)]
     sb = backend.create(fixture_task, None)
     try:
         before = len(infos)
