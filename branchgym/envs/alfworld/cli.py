@@ -19,7 +19,7 @@ __all__ = ["configure", "run"]
 
 def configure(parser: argparse.ArgumentParser) -> None:
     """Sub-commands of ``branchgym alfworld``."""
-    from branchgym.envs.alfworld.problems import LAYOUTS, TASK_TYPES
+    from branchgym.envs.alfworld.tasks import LAYOUTS, TASK_TYPES
 
     sub = parser.add_subparsers(dest="alfworld_command", metavar="COMMAND", required=True)
     gen = sub.add_parser("generate", help="generate validated problems with the seeded generator")
@@ -206,7 +206,8 @@ def _handcoded_success(problems: str) -> tuple[float, float]:
 def _stats(args: argparse.Namespace) -> int:
     from branchgym.bench.common import markdown_table
     from branchgym.envs.alfworld import floorplans
-    from branchgym.envs.alfworld.problems import TASK_TYPES, THOR_SPLITS, load_problems
+    from branchgym.envs.alfworld.problems import load_problems
+    from branchgym.envs.alfworld.tasks import TASK_TYPES, THOR_SPLITS
 
     rooms = ("Kitchen", "LivingRoom", "Bedroom", "Bathroom")
     rows = []

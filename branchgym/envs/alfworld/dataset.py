@@ -34,7 +34,8 @@ import os
 from collections.abc import Sequence
 from pathlib import Path
 
-from branchgym.envs.alfworld.problems import Problem, load_tw_pddl
+from branchgym.envs.alfworld.problems import load_tw_pddl
+from branchgym.envs.alfworld.tasks import Problem
 from branchgym.error import DataError
 
 __all__ = [

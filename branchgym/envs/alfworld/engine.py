@@ -47,12 +47,9 @@ import sys
 import threading
 import weakref
 from collections.abc import Iterator
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import Any, ClassVar, Protocol
 
 from branchgym.error import DependencyMissingError, GameLoadError
-
-if TYPE_CHECKING:  # pragma: no cover
-    from branchgym.envs.alfworld.problems import Problem
 
 __all__ = [
     "ENGINE_VERSIONS",
@@ -61,6 +58,7 @@ __all__ = [
     "EngineCapture",
     "EngineLoadError",
     "Fact",
+    "ProblemLike",
     "alfred_domain",
     "alfred_grammar",
     "clear_game_caches",
@@ -84,6 +82,31 @@ EngineLoadError = GameLoadError
 
 #: A fact as plain data: ``(predicate, ((argument, type), ...))``.
 Fact = tuple[str, tuple[tuple[str, str], ...]]
+
+
+class ProblemLike(Protocol):
+    """What the engine reads of a game: :class:`~branchgym.envs.alfworld.tasks.Problem` is one.
+
+    The engine sits under the problem format (a problem's ``game()`` reads the domain and
+    grammar from :func:`alfred_domain` and :func:`alfred_grammar`), so it names what it
+    uses instead of importing the class.
+    """
+
+    @property
+    def key(self) -> str:
+        """Stable hash of everything that defines the game (its caches are keyed by it)."""
+
+    @property
+    def goal(self) -> str:
+        """The task as the agent reads it."""
+
+    @property
+    def pddl_problem(self) -> str:
+        """The PDDL problem text."""
+
+    def game(self) -> dict[str, str]:
+        """The game dict textworld's ``PddlEnv.load`` takes (domain, grammar, problem)."""
+
 
 _NOTHING_HAPPENS = "Nothing happens."
 
@@ -691,7 +714,7 @@ class Engine:
         if self.closed:
             raise RuntimeError("this ALFWorld engine was closed; make a new env")
 
-    def _static_for(self, problem: Problem) -> _GameStatic:
+    def _static_for(self, problem: ProblemLike) -> _GameStatic:
         key = problem.key
         static = _STATICS.get(key)
         if static is None:
@@ -699,7 +722,7 @@ class Engine:
             _STATICS.put(key, static)
         return static
 
-    def _build_static(self, problem: Problem) -> _GameStatic:
+    def _build_static(self, problem: ProblemLike) -> _GameStatic:
         from fast_downward.translate.pddl_parser import lisp_parser
 
         game = problem.game()
@@ -723,7 +746,7 @@ class Engine:
             static_atoms=frozenset(_atom_keys(facts) - sas.fluents),
         )
 
-    def load(self, problem: Problem) -> None:
+    def load(self, problem: ProblemLike) -> None:
         """Make ``problem`` the game of this engine (textworld's ``PddlEnv.load``)."""
         self._check_open()
         static = self._static_for(problem)

@@ -34,7 +34,8 @@ import gymnasium as gym
 
 from branchgym.core import Snapshot, SnapshottableEnv
 from branchgym.digest import stable_hash
-from branchgym.envs.alfworld.problems import Problem, load_problems
+from branchgym.envs.alfworld.problems import load_problems
+from branchgym.envs.alfworld.tasks import Problem
 from branchgym.error import (
     DataError,
     GameLoadError,
@@ -100,7 +101,7 @@ class ALFWorldEnv(SnapshottableEnv[str, str]):
         problems: ``in_distribution`` (default) or ``out_of_distribution`` (the shipped
             sets), the path of real ALFWorld ``.tw-pddl`` games (a file or a folder) or of
             a ``.jsonl(.gz)`` problem file, or a sequence of
-            :class:`~branchgym.envs.alfworld.problems.Problem`.
+            :class:`~branchgym.envs.alfworld.tasks.Problem`.
         data_dir: ALFWorld's real data (the ``json_2.1.1`` folder): plays the games of
             ``split`` that ALFWorld itself would, filtered and ordered as ALFWorld does
             (:mod:`branchgym.envs.alfworld.dataset`); replaces ``problems``.

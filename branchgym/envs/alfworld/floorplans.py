@@ -4,7 +4,7 @@ ALFWorld (``alfworld/gen/layouts/``) ships, for every ALFRED floor plan, the obj
 of the scene (``FloorPlan<n>-objects.json``) and the receptacle instances the agent can
 walk to, each with its THOR id and the pose it is seen from (``-openable.json``:
 ``"Cabinet|+00.68|+00.50|-02.20": [x, z, rotation, horizon]``). :func:`floor_plan_layout`
-turns one floor plan into a :class:`~branchgym.envs.alfworld.problems.Layout`:
+turns one floor plan into a :class:`~branchgym.envs.alfworld.tasks.Layout`:
 
 * receptacles: every instance of ``-openable.json`` whose type is a static ALFWorld
   receptacle, under ALFWorld's names (``Sink`` -> ``SinkBasin``, ``Bathtub`` ->
@@ -33,7 +33,7 @@ from typing import Any
 
 import numpy as np
 
-from branchgym.envs.alfworld.problems import (
+from branchgym.envs.alfworld.tasks import (
     LAYOUTS,
     SPLIT_TASK_COUNTS,
     TASK_TYPES,

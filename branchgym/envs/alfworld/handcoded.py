@@ -62,7 +62,7 @@ class Goal:
 
 @functools.lru_cache(maxsize=1)
 def _goal_patterns() -> list[tuple[str, re.Pattern[str], tuple[str, ...]]]:
-    from branchgym.envs.alfworld.problems import alfworld_constants
+    from branchgym.envs.alfworld.tasks import alfworld_constants
 
     alfworld_constants()  # the engine check: the templates come with it
     import alfworld.gen.goal_library as goal_library
@@ -81,7 +81,7 @@ def _goal_patterns() -> list[tuple[str, re.Pattern[str], tuple[str, ...]]]:
 @functools.cache
 def _likely_receptacles(cls: str) -> frozenset[str]:
     """Receptacle classes ALFWorld's affordance table lets hold objects of class ``cls``."""
-    from branchgym.envs.alfworld.problems import alfworld_constants
+    from branchgym.envs.alfworld.tasks import alfworld_constants
 
     table = alfworld_constants().VAL_RECEPTACLE_OBJECTS
     return frozenset(r.lower() for r, objs in table.items() if cls in {o.lower() for o in objs})

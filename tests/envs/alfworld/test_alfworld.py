@@ -15,16 +15,18 @@ import pytest
 import branchgym
 from branchgym.envs.alfworld import engine as engine_mod
 from branchgym.envs.alfworld.problems import (
-    LAYOUTS,
-    SPLIT_LAYOUTS,
-    SPLIT_TASK_COUNTS,
-    TASK_TYPES,
     export_tw_pddl,
     generate_problem,
     generate_split,
     load_problem_set,
     load_problems,
     save_problems,
+)
+from branchgym.envs.alfworld.tasks import (
+    LAYOUTS,
+    SPLIT_LAYOUTS,
+    SPLIT_TASK_COUNTS,
+    TASK_TYPES,
 )
 from branchgym.error import (
     DataError,

@@ -5,7 +5,8 @@ import pytest
 
 import branchgym  # noqa: F401  (registers the envs)
 from branchgym.envs.alfworld import engine as engine_mod
-from branchgym.envs.alfworld.problems import TASK_TYPES, load_problem_set
+from branchgym.envs.alfworld.problems import load_problem_set
+from branchgym.envs.alfworld.tasks import TASK_TYPES
 from branchgym.error import InvalidActionError
 
 pytestmark = pytest.mark.skipif(
