@@ -9,7 +9,8 @@ goal price bounds are drawn from a seeded ``random.Random``, never the global RN
 
 Where the data comes from, in order: the ``data_dir`` argument, the
 ``BRANCHGYM_WEBSHOP_DATA`` environment variable, else a generated catalog written on
-first use under :func:`cache_dir` (``$BRANCHGYM_CACHE`` or ``~/.cache/branchgym``).
+first use under :func:`~branchgym.envs.webshop.paths.cache_dir` (``$BRANCHGYM_CACHE`` or
+``~/.cache/branchgym``).
 Which files of a folder: ``data="small"``/``"full"`` (upstream's two releases,
 :data:`PRESETS`) or explicit names; without either, the folder must hold one products
 file and one attributes file of the same release, else a :class:`DataError` lists what
@@ -35,6 +36,7 @@ from pathlib import Path
 from typing import Any
 
 from branchgym.envs.webshop.generate import GENERATOR_VERSION, write_catalog
+from branchgym.envs.webshop.paths import cache_dir
 from branchgym.envs.webshop.reward import PRICE_RANGE
 from branchgym.error import DataError
 
@@ -44,7 +46,6 @@ __all__ = [
     "PRESETS",
     "SPLITS",
     "GOAL_SHUFFLE_SEED",
-    "cache_dir",
     "clear_catalog_cache",
     "load_catalog",
     "generated_dir",
@@ -67,12 +68,6 @@ SPLITS: dict[str, tuple[int, int | None]] = {
 }
 _UPSTREAM_SPLITS = ("test", "eval", "train")
 _REQUIRED_KEYS = ("asin", "name", "category", "query", "product_category")
-
-
-def cache_dir() -> Path:
-    """Where generated catalogs and search indexes live: ``$BRANCHGYM_CACHE`` or ~/.cache."""
-    root = os.environ.get("BRANCHGYM_CACHE")
-    return Path(root) if root else Path.home() / ".cache" / "branchgym"
 
 
 def generated_dir(n_products: int, seed: int) -> Path:

@@ -39,14 +39,12 @@ import os
 import re
 from collections import Counter
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import numpy as np
 
+from branchgym.envs.webshop.paths import cache_dir
 from branchgym.error import DependencyMissingError
-
-if TYPE_CHECKING:
-    from branchgym.envs.webshop.data import Catalog
 
 __all__ = [
     "SEARCH_RETURN_N",
@@ -58,6 +56,7 @@ __all__ = [
     "document_text",
     "int_to_byte4",
     "byte4_to_int",
+    "HasProducts",
     "SearchIndex",
 ]
 
@@ -162,6 +161,18 @@ def document_text(product: dict[str, Any]) -> str:
     ).lower()
 
 
+class HasProducts(Protocol):
+    """What the index reads of a :class:`~branchgym.envs.webshop.data.Catalog`.
+
+    The catalog builds its index from this module, so the index names the one attribute it
+    uses instead of importing the class.
+    """
+
+    @property
+    def products(self) -> Sequence[dict[str, Any]]:
+        """Upstream's product records, in catalog order (the index's document ids)."""
+
+
 class SearchIndex:
     """An inverted index over a catalog's products scored as Lucene; immutable once built.
 
@@ -232,10 +243,8 @@ class SearchIndex:
         return cls(vocab, np.cumsum(indptr), doc[order], tf[order], lengths)
 
     @classmethod
-    def for_catalog(cls, catalog: Catalog, *, progress: bool | None = None) -> SearchIndex:
+    def for_catalog(cls, catalog: HasProducts, *, progress: bool | None = None) -> SearchIndex:
         """Load the catalog's index from the disk cache, or build and cache it."""
-        from branchgym.envs.webshop.data import cache_dir
-
         texts = [document_text(p) for p in catalog.products]
         h = hashlib.blake2b(digest_size=12)
         h.update(f"analyzer{_ANALYZER_VERSION}|lucene-postings|".encode())
