@@ -38,8 +38,8 @@ from typing import Any, NamedTuple
 
 import gymnasium as gym
 
+import branchgym.envs.webshop.pages as P
 from branchgym.core import SnapshottableEnv
-from branchgym.envs.webshop import pages as P
 from branchgym.envs.webshop.actions import click_action, parse_action, search_action
 from branchgym.envs.webshop.data import SPLITS, Catalog, load_catalog
 from branchgym.envs.webshop.reward import get_reward, warn_if_heuristic_on_real_data

@@ -16,7 +16,7 @@ import re
 from collections.abc import Iterable
 from typing import Any
 
-from branchgym.envs.webshop import pages as P
+import branchgym.envs.webshop.pages as P
 from branchgym.envs.webshop.actions import click_action, search_action
 from branchgym.envs.webshop.search import analyze
 
