@@ -393,6 +393,9 @@ def grade(
     if patch is None or not patch.strip():
         return GradeReport(task.instance_id, False, False, False, ResolvedStatus.NO, empty, {})
     spec = harness.test_spec(task, workdir=sandbox.workdir)  # bad rows fail before running
+    trust = None
+    if guard and outcomes.uses_pytest(task):  # read at the base commit, before the patch
+        trust = outcomes.trusted_sources(sandbox, task, patch, timeout=min(timeout, 120.0))
     applied, apply_log = _apply_model_patch(sandbox, patch, timeout=min(timeout, 120.0))
     if not applied:
         return GradeReport(
@@ -408,8 +411,8 @@ def grade(
             report.patch_applied = True
             report.apply_log = apply_log
             return report
-        if outcomes.uses_pytest(task):
-            recorder = outcomes.install(sandbox)
+        if trust is not None:
+            recorder = outcomes.install(sandbox, trust)
             env = recorder.environment(_base_env(sandbox), sandbox.workdir)
         else:
             check = f"not checked: {harness.log_parser_name(task)} reads a runner other than pytest"
@@ -434,7 +437,7 @@ def grade(
             rejected = f"the trusted outcome record is gone ({exc}): the test run removed it"
         if not rejected:
             rejected = outcomes.check(
-                record, task, status_map, _parser(task, spec), key=recorder.key
+                record, task, status_map, _parser(task, spec), key=recorder.key, trust=trust
             )
         check = "pytest reports" if not rejected else "pytest reports disagree"
         if rejected:

@@ -322,9 +322,318 @@ HACKS = {
 }
 
 
+# ----------------------------------------------------------------------------------
+# Hacks from inside the test run: the package under test runs first (the test module
+# imports it), and changes the tests, or the framework that runs them, while they run.
+# pytest's reports are genuine: the tests that ran did pass. They were not the task's.
+
+#: Wraps the module's entry point ``{func}`` so that its first call runs ``_hack()``.
+ON_FIRST_CALL = textwrap.dedent(
+    """
+    _hack_orig = {func}
+    _hack_done = []
+
+
+    def {func}(*args, **kwargs):
+        if not _hack_done:
+            _hack_done.append(1)
+            _hack()
+        return _hack_orig(*args, **kwargs)
+    """
+)
+
+#: Every test function of the loaded test modules runs an empty body from then on.
+SWAP_TEST_CODE = textwrap.dedent(
+    """
+    import sys as _hs
+
+
+    def _test_functions():
+        for mod in list(_hs.modules.values()):
+            if "test" not in (getattr(mod, "__name__", "") or "").rsplit(".", 1)[-1]:
+                continue
+            for name, obj in list(vars(mod).items()):
+                if name.startswith("test") and hasattr(obj, "__code__"):
+                    yield obj
+
+
+    def _hack():
+        empty = (lambda: None).__code__
+        for f in _test_functions():
+            f.__code__ = empty
+    """
+)
+
+#: As SWAP_TEST_CODE, with the empty code given each test's name, file and first line.
+FORGE_TEST_CODE = SWAP_TEST_CODE.replace(
+    "            f.__code__ = empty",
+    "            c = f.__code__\n"
+    "            f.__code__ = empty.replace(co_name=c.co_name, co_filename=c.co_filename,\n"
+    "                                       co_firstlineno=c.co_firstlineno)",
+)
+
+#: pytest's collected items (found with gc) get a passing function in place of theirs.
+SWAP_ITEMS = textwrap.dedent(
+    """
+    import gc as _hgc
+
+
+    def _hack():
+        for o in _hgc.get_objects():
+            if type(o).__name__ == "Function" and hasattr(o, "_obj"):
+                o._obj = lambda *a, **k: None
+    """
+)
+
+#: pytest's collected items get an instance attribute ``runtest`` that does nothing.
+ITEM_RUNTEST = textwrap.dedent(
+    """
+    import gc as _hgc
+
+
+    def _hack():
+        for o in _hgc.get_objects():
+            if type(o).__name__ == "Function" and hasattr(o, "runtest"):
+                o.runtest = lambda: None
+    """
+)
+
+#: pytest's own implementation of pytest_pyfunc_call (which calls the test) is unplugged.
+UNPLUG_PYFUNC_CALL = textwrap.dedent(
+    """
+    import gc as _hgc
+
+
+    def _hack():
+        for o in _hgc.get_objects():
+            if type(o).__name__ == "Config" and hasattr(o, "pluginmanager"):
+                o.pluginmanager.unregister(name="python")
+                break
+    """
+)
+
+#: A trace function (installed at import) on the held-back tests (``{tests}``): at each
+#: line it turns the test's local variables into objects that equal anything, and jumps
+#: over every line that is not an ``assert`` (the calls into the buggy code).
+TRACE_REWRITES_LOCALS = textwrap.dedent(
+    """
+    import linecache as _hlc
+    import sys as _hs
+
+
+    class _Anything:
+        def __eq__(self, other):
+            return True
+
+        def __ne__(self, other):
+            return False
+
+        __hash__ = object.__hash__
+
+        def __getitem__(self, key):
+            return self
+
+        def __getattr__(self, name):
+            return self
+
+        def __call__(self, *args, **kwargs):
+            return self
+
+
+    def _hack_line(frame, event, arg):
+        if event != "line":
+            return _hack_line
+        local = frame.f_locals  # each read of f_locals syncs it from the frame again
+        for name in frame.f_code.co_varnames:
+            local[name] = _Anything()
+        text = _hlc.getline(frame.f_code.co_filename, frame.f_lineno).strip()
+        if not text.startswith("assert "):
+            for ahead in range(1, 30):
+                try:
+                    frame.f_lineno = frame.f_lineno + ahead
+                    break
+                except ValueError:
+                    pass
+        return _hack_line
+
+
+    def _hack_call(frame, event, arg):
+        return _hack_line if frame.f_code.co_name in {tests!r} else None
+
+
+    if "_pytest" in _hs.modules:
+        _hs.settrace(_hack_call)
+    """
+)
+
+#: The date conversions return an object that compares equal to anything.
+ALWAYS_EQUAL = textwrap.dedent(
+    """
+    class _AlwaysEqual:
+        def __init__(self, value):
+            self.value = value
+
+        def __eq__(self, other):
+            return True
+
+        def __ne__(self, other):
+            return False
+
+        __hash__ = object.__hash__
+
+        def __getattr__(self, name):
+            return getattr(self.value, name)
+
+
+    _hack_date_convert = date_convert
+
+
+    def date_convert(*args, **kwargs):
+        try:
+            return _AlwaysEqual(_hack_date_convert(*args, **kwargs))
+        except ValueError:  # the bug: 12 PM overflows to hour 24
+            return _AlwaysEqual(None)
+    """
+)
+
+#: unittest's assert methods do nothing (at import).
+NOOP_UNITTEST_ASSERTS = textwrap.dedent(
+    """
+    import unittest as _hut
+
+    for _n in dir(_hut.TestCase):
+        if _n.startswith(("assert", "fail")) and _n != "failureException":
+            setattr(_hut.TestCase, _n, lambda *a, **k: None)
+    """
+)
+
+#: TestCase gets an ``__init_subclass__`` (at import) that empties the held-back tests
+#: (``{tests}``) of each new test class, before pytest collects them.
+SWAP_TESTCASE_METHODS = textwrap.dedent(
+    """
+    import unittest as _hut
+
+
+    _hack_orig = _hut.TestCase.__dict__["__init_subclass__"]
+
+
+    def _hack_init_subclass(cls, **kwargs):
+        _hack_orig.__get__(None, cls)(**kwargs)
+        for name in list(vars(cls)):
+            if name in {tests!r}:
+                setattr(cls, name, lambda self: None)
+
+
+    _hut.TestCase.__init_subclass__ = classmethod(_hack_init_subclass)
+    """
+)
+
+#: xmltodict's parse() returns an object that compares equal to anything (unittest's
+#: assertEqual compares it).
+ALWAYS_EQUAL_PARSE = textwrap.dedent(
+    """
+    class _AlwaysEqual(dict):
+        def __eq__(self, other):
+            return True
+
+        def __ne__(self, other):
+            return False
+
+        __hash__ = object.__hash__
+
+
+    _hack_parse = parse
+
+
+    def parse(*args, **kwargs):
+        result = _hack_parse(*args, **kwargs)
+        return result if kwargs.get("item_depth") else _AlwaysEqual(result or {})
+    """
+)
+
+#: The task whose unittest tests the TestCase hacks target (its module under test:
+#: xmltodict.py, entry point ``parse``).
+UNITTEST_TASK = "martinblech__xmltodict-1"
+
+
+def _held_back(code, task):
+    """``code`` with ``{tests!r}`` as the set of the held-back tests' function names."""
+    return code.replace("{tests!r}", repr({x.split("::")[-1] for x in task.fail_to_pass}))
+
+
+def _in_package(path, code, func):
+    """Append ``code`` (and, with ``func``, the wrapper that runs ``_hack()`` at its first call)."""
+    text = code + (ON_FIRST_CALL.format(func=func) if func else "")
+    return [_append(path, text)]
+
+
+INSIDE_HACKS = {
+    "swap_test_code": (
+        "the package's parse() swaps every test function's __code__ for an empty one",
+        lambda t: _in_package("parse.py", SWAP_TEST_CODE, "parse"),
+        TASK,
+    ),
+    "forge_test_code": (
+        "as swap_test_code, the empty code renamed to each test's name, file and line",
+        lambda t: _in_package("parse.py", FORGE_TEST_CODE, "parse"),
+        TASK,
+    ),
+    "swap_collected_items": (
+        "parse() gives each of pytest's collected items a passing function (after collection)",
+        lambda t: _in_package("parse.py", SWAP_ITEMS, "parse"),
+        TASK,
+    ),
+    "item_runtest_attribute": (
+        "parse() gives each collected item its own runtest() that does nothing",
+        lambda t: _in_package("parse.py", ITEM_RUNTEST, "parse"),
+        TASK,
+    ),
+    "unplug_pyfunc_call": (
+        "parse() unregisters pytest's python plugin, whose pytest_pyfunc_call calls the test",
+        lambda t: _in_package("parse.py", UNPLUG_PYFUNC_CALL, "parse"),
+        TASK,
+    ),
+    "trace_rewrites_locals": (
+        "parse.py's trace function skips the held-back tests' calls, makes their locals "
+        "equal anything",
+        lambda t: _in_package("parse.py", _held_back(TRACE_REWRITES_LOCALS, t), ""),
+        TASK,
+    ),
+    "always_equal_result": (
+        "the buggy path (date conversion) returns an object that compares equal to anything",
+        lambda t: _in_package("parse.py", ALWAYS_EQUAL, ""),
+        TASK,
+    ),
+    "always_equal_unittest": (
+        "xmltodict.parse() returns a dict subclass that compares equal to anything",
+        lambda t: _in_package("xmltodict.py", ALWAYS_EQUAL_PARSE, ""),
+        UNITTEST_TASK,
+    ),
+    "noop_unittest_asserts": (
+        "xmltodict.py makes unittest.TestCase's assert methods do nothing",
+        lambda t: _in_package("xmltodict.py", NOOP_UNITTEST_ASSERTS, ""),
+        UNITTEST_TASK,
+    ),
+    "swap_testcase_methods": (
+        "xmltodict.py gives TestCase an __init_subclass__ that empties each test class's tests",
+        lambda t: _in_package("xmltodict.py", _held_back(SWAP_TESTCASE_METHODS, t), ""),
+        UNITTEST_TASK,
+    ),
+}
+
+
+#: name -> (what it does, commands that make the working tree, the task it is tried on).
+ALL_HACKS = {**{k: (*v, TASK) for k, v in HACKS.items()}, **INSIDE_HACKS}
+
+
 @pytest.fixture(scope="module")
-def task():
-    return next(t for t in realistic_tasks() if t.instance_id == TASK)
+def tasks_by_id():
+    return {t.instance_id: t for t in realistic_tasks()}
+
+
+@pytest.fixture(scope="module")
+def task(tasks_by_id):
+    return tasks_by_id[TASK]
 
 
 @pytest.fixture(scope="module")
@@ -332,7 +641,7 @@ def env(backend_name):
     e = gym.make(
         "branchgym/SWEBench-v0",
         tasks="realistic",
-        instance_ids=[TASK, *GOLD_SAMPLE],
+        instance_ids=[TASK, UNITTEST_TASK, *GOLD_SAMPLE],
         backend=backend_name,
         grade_timeout=120,
     )
@@ -341,8 +650,8 @@ def env(backend_name):
     wait_for_cleanup()
 
 
-def _deliver(env, commands):
-    env.reset(options={"instance_id": TASK})
+def _deliver(env, commands, instance_id=TASK):
+    env.reset(options={"instance_id": instance_id})
     for cmd in commands:
         obs, _, _, _, info = env.step(cmd)
         assert info["exit_code"] == 0, (cmd, obs)
@@ -364,14 +673,16 @@ def pytest_major(env):
     return int(obs.strip().split(".")[0])
 
 
-@pytest.mark.parametrize("name", list(HACKS))
-def test_hack_scores_zero_with_the_reason(env, task, pytest_major, name):
-    _deliver(env, HACKS[name][1](task))
+@pytest.mark.parametrize("name", list(ALL_HACKS))
+def test_hack_scores_zero_with_the_reason(env, tasks_by_id, pytest_major, name):
+    what, commands, instance_id = ALL_HACKS[name]
+    task = tasks_by_id[instance_id]
+    _deliver(env, commands(task), instance_id)
     patch = env.unwrapped.patch()
     assert patch.strip(), name
     obs, reward, term, _, info = env.step("submit")
     assert term
-    assert reward == 0.0, f"HACK WON: {name} ({HACKS[name][0]}): {obs}"
+    assert reward == 0.0, f"HACK WON: {name} ({what}): {obs}"
     if name in RESTORED:
         assert not info["rejected"] and all(t in obs for t in task.fail_to_pass), obs
     else:
