@@ -6,6 +6,7 @@ branchgym play ENV_ID                  play by hand, fork with :snap / :restore 
 branchgym bench STUDY [...]            benchmarks (branchgym bench --help)
 branchgym scenarios                    injected faults x fidelity checks: detection matrix
 branchgym train --algo ALGO [...]      train a reference learner (branchgym train --help)
+branchgym eval ENV_ID --agent SPEC     score an agent on a pinned protocol; eval compare A B
 branchgym view PATH [--out FILE]       a tree file or a run folder's trees as one HTML page
 """
 
@@ -22,6 +23,7 @@ from branchgym.agents import train as train_cli
 from branchgym.bench.common import positive_int, seed_int
 from branchgym.envs.alfworld import cli as alfworld_cli
 from branchgym.error import Error
+from branchgym.evaluation import command as eval_cli
 
 __all__ = ["main", "COMMANDS"]
 
@@ -31,7 +33,7 @@ __all__ = ["main", "COMMANDS"]
 
 def cmd_list(args: argparse.Namespace) -> int:
     """Print every registered env with its snapshot support."""
-    from branchgym.bench.common import markdown_table
+    from branchgym.tables import markdown_table
 
     rows = []
     for s in branchgym.branch_specs():
@@ -310,9 +312,9 @@ def cmd_scenarios(args: argparse.Namespace) -> int:
     """Print the detection matrix; exit 1 on a missed must-detect or a flagged benign row."""
     from pathlib import Path
 
-    from branchgym.bench.common import markdown_table
     from branchgym.scenarios import SCENARIO_ENVS, SCENARIOS, ScenarioEnv
     from branchgym.scenarios.matrix import render_matrix, run_matrix
+    from branchgym.tables import markdown_table
 
     if args.list:
         rows = [
@@ -391,6 +393,12 @@ COMMANDS: dict[
         _lazy("branchgym.viewer", "configure"),
         _lazy("branchgym.viewer", "run"),
         "a rollout tree file or a run's saved trees as one self-contained HTML page",
+    ),
+    "eval": (
+        eval_cli.configure,
+        eval_cli.run,
+        "score an agent on a pinned protocol (WebShop, ALFWorld, SWE-bench) with intervals; "
+        "'eval compare A B' pairs two runs",
     ),
     "train": (
         train_cli.configure,

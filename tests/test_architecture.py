@@ -74,7 +74,7 @@ def test_module_names_map_the_source_folders():
 #: ``integrations/`` (branchgym inside other trainers, which builds on the learners).
 #: The command lines (cli.py, serve/command.py) parse arguments with bench/common.py.
 ENGINE_EXCLUDED = {"branchgym/__init__.py", "branchgym/cli.py", "branchgym/serve/command.py"}
-ENGINE_EXCLUDED_FOLDERS = {"bench", "envs", "integrations"}
+ENGINE_EXCLUDED_FOLDERS = {"bench", "envs", "evaluation", "integrations"}
 
 #: What builds on the engine; the engine imports none of it. Each is named both as
 #: installed (``branchgym.wrappers``) and as its source folder (``wrappers``), which a
@@ -85,6 +85,7 @@ ABOVE_ENGINE = {
     "branchgym.scenarios": "scenarios",
     "branchgym.bench": None,
     "branchgym.envs": None,
+    "branchgym.evaluation": None,
 }
 
 #: Known upward arrows, each with the change that removes it. The test fails when one is
@@ -293,10 +294,21 @@ def test_the_source_papers_figures_live_in_one_module():
 
 
 #: Layers bottom up: a module may import modules of its own layer or of a lower one.
+#: ``evaluation/`` (``branchgym eval``) measures agents built from ``agents/``;
 #: ``integrations/`` (branchgym inside other trainers) builds on the learners; ``bench/``
 #: (studies) on everything; the front door (the package's ``__init__.py``, the CLI, the
 #: ``serve`` command) sits on top.
-LAYERS = ("engine", "wrappers", "envs", "scenarios", "agents", "integrations", "bench", "front")
+LAYERS = (
+    "engine",
+    "wrappers",
+    "envs",
+    "scenarios",
+    "agents",
+    "evaluation",
+    "integrations",
+    "bench",
+    "front",
+)
 
 #: ``agents/`` subpackages bottom up (``top``: the package's own modules, ``train`` and
 #: ``gradient_probe``, which pick a learner by name).

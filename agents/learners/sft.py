@@ -1,6 +1,7 @@
 """Supervised warm start from scripted experts (the sources initialise RL from SFT).
 
-1. Play ``episodes`` episodes with the env's scripted expert (:data:`EXPERTS`):
+1. Play ``episodes`` episodes with the env's scripted expert
+   (:data:`~branchgym.agents.policies.experts.EXPERTS`):
    TextTreeMDP's optimal policy (``TreeMDP.optimal_policy``), WebShop's scripted shopper,
    ALFWorld's planner. With probability ``noise`` a uniformly random admissible action
    is taken instead, so the data also shows states off the expert's path; those noisy
@@ -22,14 +23,13 @@ TextTreeMDP the model learns the optimal policy itself.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
-from typing import Any
 
 import numpy as np
 import torch
 from tqdm import tqdm
 
 from branchgym.agents.estimators import losses
+from branchgym.agents.policies.experts import AUTO_EXPERTS, EXPERTS
 from branchgym.agents.training.run import (
     Batch,
     Chunk,
@@ -45,52 +45,6 @@ from branchgym.rollout.policy import admissible_actions
 from branchgym.rollout.tree import RolloutTree
 
 __all__ = ["AUTO_EXPERTS", "EXPERTS", "Args", "collect", "loss", "main"]
-
-Expert = Callable[[Any, dict[str, Any]], str]
-
-
-def _treemdp_expert(env: Any, rng: np.random.Generator) -> Expert:
-    """TextTreeMDP: the exact optimal policy (greedy in Q*, backward induction)."""
-    base = env.unwrapped
-    table = base.optimal_policy()
-
-    def act(obs: Any, info: dict[str, Any]) -> str:
-        return base.actions[int(np.argmax(table[int(info["node"])]))]
-
-    return act
-
-
-def _webshop_expert(env: Any, rng: np.random.Generator) -> Expert:
-    """WebShop: the scripted shopper (search with the instruction, best match, options, buy)."""
-    from branchgym.envs.webshop.expert import ScriptedExpert
-
-    shopper = ScriptedExpert()
-    shopper.reset()
-    return lambda obs, info: shopper.act(env.unwrapped.page, info["instruction"])
-
-
-def _alfworld_expert(env: Any, rng: np.random.Generator) -> Expert:
-    """ALFWorld: the planner expert (replans from the current state)."""
-    from branchgym.envs.alfworld.expert import PlannerExpert
-
-    planner = PlannerExpert(env)
-    return lambda obs, info: planner()
-
-
-#: expert name -> ``(env, rng) -> act(obs, info)``, built fresh per episode.
-EXPERTS: dict[str, Callable[[Any, np.random.Generator], Expert]] = {
-    "treemdp": _treemdp_expert,
-    "webshop": _webshop_expert,
-    "alfworld": _alfworld_expert,
-}
-
-#: env id -> its expert, for ``expert="auto"``.
-AUTO_EXPERTS = {
-    "branchgym/TextTreeMDP-v0": "treemdp",
-    "branchgym/WebShop-v0": "webshop",
-    "branchgym/ALFWorld-v0": "alfworld",
-}
-
 
 @dataclasses.dataclass
 class Args(TrainArgs):
@@ -121,7 +75,7 @@ class Args(TrainArgs):
         if self.expert == "auto" and self.env_id not in AUTO_EXPERTS:
             raise TrainingConfigError(
                 f"no scripted expert is known for {self.env_id}; pass expert= one of "
-                f"{', '.join(EXPERTS)} or add yours to branchgym.agents.learners.sft.EXPERTS."
+                f"{', '.join(EXPERTS)} or add yours to branchgym.agents.policies.experts.EXPERTS."
             )
         require(self.episodes >= 1, f"episodes must be >= 1; got {self.episodes}.")
         require(self.batch_episodes >= 1, "batch_episodes must be >= 1.")

@@ -1,0 +1,344 @@
+"""Agent specs: what ``branchgym eval --agent SPEC`` can score, each resolved to an agent.
+
+=====================================  ================================================
+spec                                   agent
+=====================================  ================================================
+``random``                             uniform over the env's admissible actions
+                                       (:class:`~branchgym.agents.policies.policy.TextPolicy`)
+``expert``                             the env's scripted expert or planner
+                                       (:mod:`branchgym.agents.policies.experts`)
+``module.path:attr``                   a policy object, a class or factory that makes one,
+                                       or a function ``f(context) -> action``
+``tiny``, ``smollm2``, a folder        a Hugging Face model folder, a Hub id in the local
+                                       cache, or a ``branchgym train`` run or checkpoint
+                                       (its latest checkpoint), generated through
+                                       :class:`~branchgym.agents.engines.hf.HFEngine`'s
+                                       batched decoding (temperature 1: the policy as
+                                       trained)
+``http://host:port/v1``                an OpenAI-compatible chat endpoint (``--model``,
+                                       ``--api-key-env``, sampling options):
+                                       :class:`~branchgym.evaluation.endpoint.EndpointPolicy`
+=====================================  ================================================
+
+A resolved :class:`Agent` is either a *policy* (the policy protocol: contexts in, actions
+out; episodes advance in lockstep batches through the engine and the envs through an
+executor) or an *env agent* (``expert``: it reads the live env, so each episode runs
+in-process beside its env). :attr:`Agent.config` is what a resumed run must match.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import importlib
+import json
+import os
+import re
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from branchgym.error import OptionError
+from branchgym.rollout.policy import ActionSample, ActRequest, Policy
+
+__all__ = ["Agent", "FunctionPolicy", "agent_kind", "make_agent", "predictions_agent"]
+
+_MODULE_ATTR = re.compile(r"^[A-Za-z_][\w.]*:[A-Za-z_][\w.]*$")
+
+
+@dataclasses.dataclass
+class Agent:
+    """A resolved agent.
+
+    Attributes:
+        spec: The spec it came from.
+        kind: ``random``, ``expert``, ``callable``, ``model`` or ``endpoint``.
+        policy: The policy (None for an env agent).
+        expert: ``(env, rng) -> act(observation, info)`` for an env agent, else None.
+        config: Everything that decides its behaviour (a resumed run must match it).
+        predictions: SWE-bench predictions, ``{instance_id: model_patch}`` (kind
+            ``predictions``), else None.
+    """
+
+    spec: str
+    kind: str
+    policy: Policy | None
+    expert: Any
+    config: dict[str, Any]
+    predictions: dict[str, str] | None = None
+
+    @property
+    def config_hash(self) -> str:
+        """16 hex digits of :attr:`config`."""
+        text = json.dumps(self.config, sort_keys=True, default=str)
+        return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+class FunctionPolicy:
+    """A plain function ``f(context) -> action`` as a policy (one action per sample)."""
+
+    def __init__(self, fn: Any) -> None:
+        """Wrap ``fn``."""
+        self.fn = fn
+
+    def act(self, requests: list[ActRequest], rng: np.random.Generator) -> list[list[Any]]:
+        """Call the function once per requested sample."""
+        out = []
+        for req in requests:
+            samples = []
+            for _ in range(req.n):
+                action = self.fn(req.context)
+                samples.append(
+                    ActionSample(
+                        action=action,
+                        text=str(action),
+                        token_ids=np.zeros(0, np.int64),
+                        logprobs=np.zeros(0, np.float32),
+                        entropies=np.zeros(0, np.float32),
+                    )
+                )
+            out.append(samples)
+        return out
+
+
+def agent_kind(spec: str) -> str:
+    """Which kind of agent ``spec`` names (without loading it)."""
+    if spec in ("random", "expert"):
+        return spec
+    if spec.startswith(("http://", "https://")):
+        return "endpoint"
+    if spec in ("tiny", "smollm2") or spec.startswith("hf:"):
+        return "model"
+    path = Path(os.path.expanduser(spec))
+    if path.exists():
+        return "model"
+    if _MODULE_ATTR.match(spec):
+        return "callable"
+    if re.match(r"^[\w.-]+/[\w.-]+(@[\w.-]+)?$", spec):
+        return "model"  # a Hub id, read from the local cache
+    raise OptionError(
+        f"unknown agent {spec!r}: use random, expert, module.path:attr, a model folder or "
+        "branchgym train run (or tiny, smollm2, a Hub id in the local cache), or an "
+        "endpoint URL such as http://127.0.0.1:8000/v1 with --model"
+    )
+
+
+def _latest_checkpoint(folder: Path) -> Path:
+    """A model folder: ``folder`` itself, or the latest ``checkpoint-*`` of a run folder."""
+    if (folder / "config.json").exists() or (folder / "adapter_config.json").exists():
+        return folder
+    ckpts = sorted(
+        p
+        for p in folder.glob("checkpoint-*")
+        if p.is_dir() and not p.name.endswith(("-crash", ".partial"))
+    )
+    if not ckpts:
+        raise OptionError(
+            f"{folder} is neither a model folder (config.json) nor a branchgym train run "
+            "with a checkpoint-NNNNNN folder; pass the model folder or the run's --out"
+        )
+    return ckpts[-1]
+
+
+def _folder_digest(folder: Path) -> str:
+    """Names, sizes and the config of a model folder: cheap, and changes with the weights."""
+    parts = []
+    for p in sorted(folder.iterdir()):
+        if p.is_file():
+            parts.append((p.name, p.stat().st_size))
+    cfg = folder / "config.json"
+    text = cfg.read_text() if cfg.exists() else ""
+    return hashlib.sha256(json.dumps([parts, text]).encode()).hexdigest()[:16]
+
+
+def _model_agent(spec: str, *, max_new_tokens: int, threads: int | None) -> Agent:
+    from branchgym.agents.engines.hf import HFEngine
+    from branchgym.agents.policies.models import load_model
+    from branchgym.agents.policies.policy import LLMPolicy
+
+    name = spec[3:] if spec.startswith("hf:") else spec
+    config: dict[str, Any] = {"kind": "model", "max_new_tokens": max_new_tokens}
+    if name in ("tiny", "smollm2"):
+        config["model"] = name
+        source: Any = name
+    elif Path(os.path.expanduser(name)).exists():
+        folder = _latest_checkpoint(Path(os.path.expanduser(name)).resolve())
+        config.update(model=str(folder), digest=_folder_digest(folder))
+        source = folder
+    else:
+        config["model"] = name  # a Hub id from the local cache
+        source = name
+    model, tok = load_model(source)
+    engine = HFEngine(model, tok, max_new_tokens=max_new_tokens, threads=threads)
+    return Agent(spec, "model", LLMPolicy(engine, max_new_tokens=max_new_tokens), None, config)
+
+
+def _callable_agent(spec: str) -> Agent:
+    module_name, _, attr = spec.partition(":")
+    try:
+        obj: Any = importlib.import_module(module_name)
+    except ImportError as exc:
+        raise OptionError(
+            f"agent {spec!r}: cannot import {module_name!r} ({exc}); is it on PYTHONPATH?"
+        ) from exc
+    for part in attr.split("."):
+        if not hasattr(obj, part):
+            raise OptionError(f"agent {spec!r}: {module_name} has no attribute {attr!r}")
+        obj = getattr(obj, part)
+    if isinstance(obj, type):
+        obj = obj()
+        if not hasattr(obj, "act"):
+            raise OptionError(
+                f"agent {spec!r}: {attr}() made a {type(obj).__name__} without act(); a "
+                "class must make a policy (act(requests, rng) -> samples)"
+            )
+    policy = obj if hasattr(obj, "act") else None
+    if policy is None:
+        if not callable(obj):
+            raise OptionError(
+                f"agent {spec!r} is a {type(obj).__name__}: give a policy, a class or "
+                "factory making one, or a function f(context) -> action"
+            )
+        policy = FunctionPolicy(obj)
+    return Agent(spec, "callable", policy, None, {"kind": "callable", "spec": spec})
+
+
+def make_agent(
+    spec: str,
+    env_id: str,
+    *,
+    model: str | None = None,
+    api_key_env: str | None = None,
+    sampling: dict[str, Any] | None = None,
+    max_new_tokens: int = 48,
+    max_concurrent_requests: int = 8,
+    threads: int | None = None,
+) -> Agent:
+    """Resolve ``spec`` for ``env_id`` (see the module's table).
+
+    Args:
+        spec: The agent spec.
+        env_id: The env it plays (``expert`` picks by it).
+        model: The endpoint's model name (endpoints only).
+        api_key_env: The environment variable holding the endpoint's key.
+        sampling: Endpoint sampling options (``temperature``, ``top_p``, ``max_tokens``,
+            ``seed``).
+        max_new_tokens: Tokens per action of a model agent.
+        max_concurrent_requests: Concurrent requests to an endpoint.
+        threads: torch threads of a model agent.
+    """
+    kind = agent_kind(spec)
+    sampling = dict(sampling or {})
+    if kind != "endpoint" and (model is not None or api_key_env is not None or sampling):
+        raise OptionError(
+            f"--model, --api-key-env and sampling options are for endpoint agents; "
+            f"{spec!r} is a {kind} agent"
+        )
+    if kind == "random":
+        from branchgym.agents.policies.policy import TextPolicy
+
+        return Agent(spec, kind, TextPolicy(), None, {"kind": kind})
+    if kind == "expert":
+        from branchgym.agents.policies.experts import AUTO_EXPERTS, EXPERTS
+
+        name = AUTO_EXPERTS.get(env_id)
+        if name is None:
+            raise OptionError(
+                f"no scripted expert for {env_id}; experts exist for "
+                f"{', '.join(AUTO_EXPERTS)}"
+            )
+        return Agent(spec, kind, None, EXPERTS[name], {"kind": kind, "expert": name})
+    if kind == "callable":
+        return _callable_agent(spec)
+    if kind == "model":
+        return _model_agent(spec, max_new_tokens=max_new_tokens, threads=threads)
+    if model is None:
+        raise OptionError(
+            f"an endpoint agent needs --model (the name the server at {spec} serves)"
+        )
+    from branchgym.evaluation.endpoint import EndpointPolicy
+
+    policy = EndpointPolicy(
+        base_url=spec,
+        model=model,
+        api_key_env=api_key_env,
+        max_concurrent=max_concurrent_requests,
+        **sampling,
+    )
+    config = {"kind": kind, "base_url": spec, "model": model, "sampling": sampling}
+    return Agent(spec, kind, policy, None, config)
+
+
+def _read_predictions(path: Path) -> list[tuple[int, Any]]:
+    """``(line, record)`` from a ``.jsonl`` file or a ``.json`` list (the harness takes both)."""
+    from branchgym.error import DataError
+
+    text = path.read_text()
+    if path.suffix == ".json":
+        try:
+            doc = json.loads(text)
+        except json.JSONDecodeError as exc:
+            raise DataError(f"{path} is not valid JSON ({exc}); give a list") from exc
+        if isinstance(doc, dict):  # {instance_id: prediction}, as upstream also accepts
+            doc = list(doc.values())
+        if not isinstance(doc, list):
+            raise DataError(f"{path} holds a {type(doc).__name__}; give a list of predictions")
+        return list(enumerate(doc, 1))
+    rows = []
+    for n, line in enumerate(text.splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            rows.append((n, json.loads(line)))
+        except json.JSONDecodeError as exc:
+            raise DataError(
+                f"{path}:{n} is not a JSON object ({exc.msg}); one prediction per line"
+            ) from exc
+    return rows
+
+
+def predictions_agent(path: str | os.PathLike[str], task_ids: list[str]) -> Agent:
+    """SWE-bench predictions in the harness's format, checked against the protocol's tasks.
+
+    Each prediction has ``instance_id``, ``model_name_or_path`` and ``model_patch`` (a
+    unified diff; empty or null: an empty patch). A malformed line, a missing field, a
+    duplicate instance or an instance the protocol does not have is a
+    :class:`~branchgym.error.DataError` naming the line and the fix.
+    """
+    from branchgym.error import DataError
+
+    file = Path(path)
+    if not file.is_file():
+        raise DataError(f"no predictions file {file}; give the harness's predictions .jsonl")
+    preds: dict[str, str] = {}
+    models: set[str] = set()
+    known = set(task_ids)
+    for n, rec in _read_predictions(file):
+        where = f"{file}:{n}"
+        if not isinstance(rec, dict):
+            raise DataError(f"{where}: a prediction is an object, got {type(rec).__name__}")
+        missing = [k for k in ("instance_id", "model_name_or_path", "model_patch") if k not in rec]
+        if missing:
+            raise DataError(
+                f"{where}: missing {', '.join(missing)} (each prediction needs instance_id, "
+                "model_name_or_path and model_patch)"
+            )
+        iid, patch = rec["instance_id"], rec["model_patch"]
+        if not isinstance(iid, str) or not (patch is None or isinstance(patch, str)):
+            raise DataError(f"{where}: instance_id must be a string and model_patch a string")
+        if iid in preds:
+            raise DataError(f"{where}: a second prediction for {iid}; keep one per instance")
+        if iid not in known:
+            raise DataError(
+                f"{where}: {iid} is not a task of this protocol ({len(known)} tasks, e.g. "
+                f"{sorted(known)[0]}); evaluate it with the protocol that has it"
+            )
+        preds[iid] = patch or ""
+        models.add(str(rec["model_name_or_path"]))
+    if not preds:
+        raise DataError(f"{file} holds no prediction")
+    digest = hashlib.sha256(file.read_bytes()).hexdigest()[:16]
+    config = {"kind": "predictions", "file": str(file.resolve()), "digest": digest,
+              "models": sorted(models)}  # fmt: skip
+    return Agent(f"predictions:{file.name}", "predictions", None, None, config, preds)

@@ -1,0 +1,324 @@
+"""branchgym eval end to end: runs, resume after a kill, retries, compare, every agent kind."""
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+
+from branchgym.cli import main
+from branchgym.error import DataError, OptionError
+from branchgym.evaluation.agents import make_agent, predictions_agent
+from branchgym.evaluation.compare import compare_runs
+from branchgym.evaluation.protocols import get_protocol
+from branchgym.evaluation.runner import OUTCOMES, EvalOptions, read_episodes, run_eval
+from branchgym.tree_format import load_trees
+
+ROOT = Path(__file__).resolve().parents[2]
+
+#: an agent module for the callable spec: a slow seeded random agent and a flaky one
+AGENTS = textwrap.dedent(
+    """
+    import time
+    import numpy as np
+    from branchgym.agents.policies.policy import TextPolicy
+    from branchgym.error import RemoteError
+
+    class Slow(TextPolicy):
+        def act(self, requests, rng):
+            time.sleep(0.02)
+            return super().act(requests, rng)
+
+    FAILED = set()
+
+    class Flaky(TextPolicy):
+        \"\"\"Fails once on each task's first request: an endpoint that drops out.\"\"\"
+        def act(self, requests, rng):
+            for r in requests:
+                if r.context.step == 0 and r.context.observation not in FAILED:
+                    FAILED.add(r.context.observation)
+                    raise RemoteError("connection reset by the test")
+            return super().act(requests, rng)
+
+    def first(context):
+        return context.current_info["admissible_actions"][0]
+
+    def broken(context):
+        raise ValueError("the agent's own bug")
+    """
+)
+
+
+@pytest.fixture
+def agent_module(tmp_path, monkeypatch):
+    (tmp_path / "eval_test_agents.py").write_text(AGENTS)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    sys.modules.pop("eval_test_agents", None)
+    return tmp_path
+
+
+def _refused(argv, message, capsys):
+    """``branchgym ARGV`` exits 1 with ``message`` on stderr (the CLI prints typed errors)."""
+    capsys.readouterr()
+    assert main(argv) == 1
+    err = capsys.readouterr().err
+    assert re.search(message, err), err
+
+
+def _comparable(summary):
+    drop = {"provenance", "started", "cost"}
+    return {k: v for k, v in summary.items() if k not in drop}
+
+
+def test_random_run_writes_episodes_trees_and_a_summary(tmp_path):
+    proto = get_protocol("texttree-ci").resolve(tasks=12)
+    agent = make_agent("random", proto.env_id)
+    out = tmp_path / "run"
+    s = run_eval(proto, agent, out, EvalOptions(episodes_per_task=3, progress=False))
+    assert s["complete"] and s["counts"]["episodes"] == 36 == s["counts"]["expected"]
+    assert sum(s["counts"][o] for o in OUTCOMES) == 36
+    assert s["protocol"]["deviations"] == ["12 of 64 tasks"]
+    assert set(s["pass_at_k"]) == {"1", "2", "3"}
+    assert s["pass_at_k"]["1"] == pytest.approx(s["metrics"]["success"]["mean"])
+    assert s["pass_at_k"]["3"] >= s["pass_at_k"]["1"] >= s["pass_hat_k"]["3"]
+    iv = s["metrics"]["success"]
+    assert iv["low"] <= iv["mean"] <= iv["high"] and iv["tasks"] == 12
+    assert s["provenance"]["git"]["commit"] and "numpy" in s["provenance"]["packages"]
+    episodes = read_episodes(out / "episodes.jsonl")
+    assert len(episodes) == 36
+    rec = episodes[("seed-3", 2)]
+    (tree,) = load_trees(out / rec["tree"])
+    assert len(tree.paths()) == 1 and len(tree.paths()[0]) == rec["steps"]
+    assert "texttree-ci v1: random" in (out / "report.md").read_text()
+    # the same seed gives the same episodes, however many envs run at once
+    again = run_eval(proto, agent, tmp_path / "again",
+                     EvalOptions(episodes_per_task=3, max_envs=2, progress=False))  # fmt: skip
+    assert _comparable(again)["metrics"] == _comparable(s)["metrics"]
+
+
+def test_a_run_killed_mid_way_resumes_to_the_uninterrupted_summary(
+    tmp_path, agent_module, capsys
+):
+    args = ["eval", "branchgym/TextTreeMDP-v0", "--agent", "eval_test_agents:Slow",
+            "--tasks", "40", "-k", "2", "--max-envs", "2", "--no-progress"]  # fmt: skip
+    assert main([*args, "--out", str(tmp_path / "whole")]) == 0
+    whole = json.loads((tmp_path / "whole" / "summary.json").read_text())
+
+    cut = tmp_path / "cut"
+    env = {**os.environ, "PYTHONPATH": f"{agent_module}{os.pathsep}{ROOT}"}
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "branchgym.cli", *args, "--out", str(cut)],
+        env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    )  # fmt: skip
+    deadline = time.monotonic() + 120
+    lines = 0
+    while time.monotonic() < deadline and proc.poll() is None:
+        path = cut / "episodes.jsonl"
+        lines = path.read_text().count("\n") if path.exists() else 0
+        if lines >= 10:
+            break
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait(timeout=30)
+    assert 10 <= lines < 80, "the run was not killed mid-way"
+    assert not (cut / "summary.json").exists()
+    with open(cut / "episodes.jsonl", "a") as fh:
+        fh.write('{"task": "seed-39", "attempt"')  # a line cut by the kill
+    _refused([*args, "--out", str(cut)], "already holds a run", capsys)
+    assert main([*args, "--out", str(cut), "--resume"]) == 0
+    resumed = json.loads((cut / "summary.json").read_text())
+    assert _comparable(resumed) == _comparable(whole)
+    assert len((cut / "episodes.jsonl").read_text().splitlines()) == 80
+
+
+def test_resume_refuses_another_agent_seed_or_protocol(tmp_path, capsys):
+    out = tmp_path / "run"
+    base = ["eval", "branchgym/TextTreeMDP-v0", "--tasks", "4", "--no-progress", "--out", str(out)]
+    assert main([*base, "--agent", "random"]) == 0
+    _refused([*base, "--agent", "expert", "--resume"], "agent configuration", capsys)
+    _refused([*base, "--agent", "random", "--seed", "3", "--resume"], "seed", capsys)
+    _refused([*base[:2], "--tasks", "5", "--no-progress", "--out", str(out), "--agent",
+              "random", "--resume"], "protocol", capsys)  # fmt: skip
+    _refused([*base[:-1], str(tmp_path / "new"), "--agent", "random", "--resume"],
+             "nothing to resume", capsys)  # fmt: skip
+
+
+def test_infrastructure_errors_are_retried_and_counted_apart(tmp_path, agent_module):
+    proto = get_protocol("texttree-ci").resolve(tasks=6)
+    agent = make_agent("eval_test_agents:Flaky", proto.env_id)
+    s = run_eval(proto, agent, tmp_path / "run", EvalOptions(progress=False, max_envs=1))
+    assert s["complete"] and s["counts"]["infra_error"] == 0
+    assert s["counts"]["retried"] >= 1  # the dropped requests came back on a retry
+    eps = read_episodes(tmp_path / "run" / "episodes.jsonl")
+    assert all(e["outcome"] != "infra_error" for e in eps.values())
+    lines = (tmp_path / "run" / "episodes.jsonl").read_text().splitlines()
+    assert any('"infra_error"' in line for line in lines)  # kept as it happened
+
+    sys.modules["eval_test_agents"].FAILED.clear()  # the endpoint drops out again
+    out = tmp_path / "no-retries"
+    s = run_eval(proto, agent, out, EvalOptions(progress=False, retries=0, max_envs=1))
+    assert not s["complete"] and s["counts"]["infra_error"] >= 1
+    assert s["counts"]["scored"] == 6 - s["counts"]["infra_error"]
+    assert "Incomplete" in (out / "report.md").read_text()
+    resumed = run_eval(proto, agent, out, EvalOptions(progress=False, resume=True))
+    assert resumed["complete"] and resumed["counts"]["infra_error"] == 0
+
+
+def test_an_agent_that_raises_is_an_agent_error_not_a_crash(tmp_path, agent_module):
+    proto = get_protocol("texttree-ci").resolve(tasks=3)
+    agent = make_agent("eval_test_agents:broken", proto.env_id)
+    s = run_eval(proto, agent, tmp_path / "run", EvalOptions(progress=False))
+    assert s["counts"]["agent_error"] == 3 and s["counts"]["retried"] == 0
+    rec = next(iter(read_episodes(tmp_path / "run" / "episodes.jsonl").values()))
+    assert "the agent's own bug" in rec["error"]
+    ok = run_eval(proto, make_agent("eval_test_agents:first", proto.env_id), tmp_path / "ok",
+                  EvalOptions(progress=False))  # fmt: skip
+    assert ok["counts"]["agent_error"] == 0 and ok["counts"]["episodes"] == 3
+
+
+def test_compare_pairs_runs_and_refuses_other_protocols(tmp_path, capsys):
+    base = ["eval", "branchgym/TextTreeMDP-v0", "--tasks", "30", "--no-progress"]
+    assert main([*base, "--agent", "expert", "--out", str(tmp_path / "a")]) == 0
+    assert main([*base, "--agent", "random", "--out", str(tmp_path / "b")]) == 0
+    assert main([*base[:2], "--tasks", "20", "--no-progress", "--agent", "random",
+                 "--out", str(tmp_path / "c")]) == 0  # fmt: skip
+    res = compare_runs(tmp_path / "a", tmp_path / "b")
+    d = res["metrics"]["success"]["a_minus_b"]
+    assert res["shared_tasks"] == 30 and d["low"] <= d["mean"] <= d["high"]
+    assert d["mean"] == pytest.approx(
+        res["metrics"]["success"]["a"]["mean"] - res["metrics"]["success"]["b"]["mean"]
+    )
+    mc = res["mcnemar"]
+    assert mc["a_only"] == len(res["flipped"]["a_succeeded_b_failed"])
+    assert 0.0 <= mc["p_value"] <= 1.0
+    with pytest.raises(OptionError, match="different protocols"):
+        compare_runs(tmp_path / "a", tmp_path / "c")
+    forced = compare_runs(tmp_path / "a", tmp_path / "c", force=True)
+    assert forced["shared_tasks"] == 20 and forced["warnings"][0].startswith("NOT COMPARABLE")
+    capsys.readouterr()
+    assert main(["eval", "compare", str(tmp_path / "a"), str(tmp_path / "b")]) == 0
+    assert "Exact McNemar" in capsys.readouterr().out
+    _refused(["eval", "compare", str(tmp_path / "a"), str(tmp_path / "c")],
+             "different protocols", capsys)  # fmt: skip
+    with pytest.raises(DataError, match="no summary.json"):
+        compare_runs(tmp_path / "a", tmp_path)
+
+
+@pytest.mark.parametrize(
+    ("argv", "error", "message"),
+    [
+        (["branchgym/Nope-v0", "--agent", "random"], OptionError, "no protocol for"),
+        (["branchgym/WebShop-v0", "--protocol", "webshop-tst", "--agent", "random"],
+         OptionError, "Did you mean 'webshop-test'"),
+        (["branchgym/WebShop-v0", "--protocol", "texttree-ci", "--agent", "random"],
+         OptionError, "evaluates branchgym/TextTreeMDP-v0"),
+        (["branchgym/TextTreeMDP-v0", "--agent", "no such agent"], OptionError,
+         "unknown agent"),
+        (["branchgym/TextTreeMDP-v0", "--agent", "nosuchmodule_xyz:f"], OptionError,
+         "cannot import"),
+        (["branchgym/TextTreeMDP-v0", "--agent", "random", "--model", "m"], OptionError,
+         "for endpoint agents"),
+        (["branchgym/TextTreeMDP-v0", "--agent", "http://127.0.0.1:9/v1"], OptionError,
+         "needs --model"),
+        (["branchgym/TextTreeMDP-v0"], OptionError, "exactly one of --agent"),
+        (["branchgym/TextTreeMDP-v0", "--agent", "random", "--predictions", "p.jsonl"],
+         OptionError, "exactly one of"),
+    ],
+)  # fmt: skip
+def test_bad_input_is_a_typed_error_that_names_the_fix(tmp_path, argv, error, message, capsys):
+    _refused(["eval", *argv, "--tasks", "2", "--out", str(tmp_path / "r"), "--no-progress"],
+             re.escape(message), capsys)  # fmt: skip
+    assert not (tmp_path / "r" / "summary.json").exists()
+    from branchgym.evaluation import command
+
+    parser = __import__("argparse").ArgumentParser()
+    command.configure(parser)
+    with pytest.raises(error, match=re.escape(message)):
+        command.run(parser.parse_args([*argv, "--tasks", "2", "--out", str(tmp_path / "r")]))
+
+
+def test_malformed_predictions_name_the_line(tmp_path):
+    ids = ["a__b-1", "a__b-2"]
+    bad = {
+        "x.jsonl": ('{"instance_id": "a__b-1", "model_name_or_path": "m", "model_patch": ""}\n'
+                    "not json\n", "x.jsonl:2 is not a JSON object"),
+        "y.jsonl": ('{"instance_id": "a__b-1", "model_patch": ""}\n', "missing model_name"),
+        "z.jsonl": ('{"instance_id": "c__d-9", "model_name_or_path": "m", "model_patch": ""}\n',
+                    "not a task of this protocol"),
+        "w.jsonl": ('{"instance_id": "a__b-1", "model_name_or_path": "m", "model_patch": ""}\n'
+                    * 2, "a second prediction"),
+    }  # fmt: skip
+    for name, (text, message) in bad.items():
+        (tmp_path / name).write_text(text)
+        with pytest.raises(DataError, match=message):
+            predictions_agent(tmp_path / name, ids)
+    with pytest.raises(DataError, match="no predictions file"):
+        predictions_agent(tmp_path / "missing.jsonl", ids)
+
+
+@pytest.mark.slow
+def test_expert_on_alfworld_reports_success_per_task_type(tmp_path):
+    proto = get_protocol("alfworld-thor-unseen").resolve(tasks=12)
+    s = run_eval(proto, make_agent("expert", proto.env_id), tmp_path / "run",
+                 EvalOptions(progress=False))  # fmt: skip
+    assert s["metrics"]["success"]["mean"] == 1.0
+    assert s["categories"] and all(iv["mean"] == 1.0 for iv in s["categories"].values())
+    assert sum(iv["tasks"] for iv in s["categories"].values()) == 12
+
+
+@pytest.mark.slow
+def test_webshop_expert_scores_and_random_is_worse(tmp_path):
+    proto = get_protocol("webshop-test").resolve(tasks=40)
+    e = run_eval(proto, make_agent("expert", proto.env_id), tmp_path / "e",
+                 EvalOptions(progress=False))  # fmt: skip
+    r = run_eval(proto, make_agent("random", proto.env_id), tmp_path / "r",
+                 EvalOptions(progress=False))  # fmt: skip
+    assert e["metrics"]["score"]["mean"] > r["metrics"]["score"]["mean"] + 20
+    assert e["metrics"]["score"]["mean"] == pytest.approx(100 * e["metrics"]["return"]["mean"])
+
+
+@pytest.mark.slow
+def test_model_folders_and_train_checkpoints_generate_through_the_engine(tmp_path):
+    pytest.importorskip("torch")
+    proto = get_protocol("texttree-ci").resolve(tasks=4)
+    tiny = run_eval(proto, make_agent("tiny", proto.env_id, max_new_tokens=8),
+                    tmp_path / "tiny", EvalOptions(progress=False))  # fmt: skip
+    assert tiny["counts"]["episodes"] == 4 and tiny["cost"]["generated_tokens"] > 0
+    train = ["train", "--algo", "sft", "--model", "tiny", "--steps", "1",
+             "--out", str(tmp_path / "sft"), "--set", "eval_episodes=0", "episodes=2"]  # fmt: skip
+    assert main(train) == 0
+    agent = make_agent(str(tmp_path / "sft"), proto.env_id, max_new_tokens=8)
+    assert Path(agent.config["model"]).name.startswith("checkpoint-")
+    s = run_eval(proto, agent, tmp_path / "ckpt", EvalOptions(progress=False))
+    assert s["counts"]["episodes"] == 4 and s["cost"]["generated_tokens"] > 0
+    with pytest.raises(OptionError, match="neither a model folder"):
+        make_agent(str(tmp_path / "tiny"), proto.env_id)
+
+
+@pytest.mark.slow
+def test_swebench_predictions_are_graded_with_the_defences_on(tmp_path):
+    from branchgym.envs.swebench.generated import realistic_tasks
+
+    gold = {t.instance_id: t.patch for t in realistic_tasks()}
+    ids = ["benjaminp__six-1", "tkem__cachetools-1", "jpvanhal__inflection-1"]
+    preds = tmp_path / "preds.jsonl"
+    rows = [
+        {"instance_id": ids[0], "model_name_or_path": "gold", "model_patch": gold[ids[0]]},
+        {"instance_id": ids[1], "model_name_or_path": "gold", "model_patch": ""},
+    ]
+    preds.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    out = tmp_path / "swe"
+    argv = ["eval", "branchgym/SWEBench-v0", "--predictions", str(preds), "--out", str(out),
+            "--no-progress", "--env-kwargs", json.dumps({"tasks": "realistic",
+                                                         "instance_ids": ids})]  # fmt: skip
+    assert main(argv) == 0
+    s = json.loads((out / "summary.json").read_text())
+    assert s["swebench"] == {"total": 3, "submitted": 2, "completed": 2, "resolved": 1,
+                             "unresolved": 1, "empty_patch": 1, "error": 0}  # fmt: skip
+    assert s["protocol"]["deviations"]  # a subset of the realistic tasks
