@@ -46,6 +46,8 @@ __all__ = [
     "RemoteError",
     "RemoteAuthError",
     "ForeignSnapshotError",
+    "EndpointError",
+    "EndpointAuthError",
 ]
 
 
@@ -243,3 +245,27 @@ class RemoteAuthError(RemoteError, PermissionError):
 
 class ForeignSnapshotError(SnapshotMismatchError):
     """A remote snapshot id was used on another server, or is unknown (released) on its own."""
+
+
+class EndpointError(Error, RuntimeError):
+    """An OpenAI-compatible endpoint answered garbage or not at all.
+
+    Raised by ``branchgym.evaluation.endpoint.EndpointPolicy`` for failures of the
+    infrastructure, never of the agent: nothing listening, a timeout, an HTTP error after
+    the bounded retries, a wrong model name, a body that is not chat-completions JSON. A
+    reply the env cannot parse is not one (the env answers it with its invalid-action
+    feedback). The message says what to check (the server, the URL, the model name).
+
+    Attributes:
+        url: The URL that failed.
+        status: The HTTP status, or ``None`` when no HTTP answer came.
+    """
+
+    def __init__(self, message: str = "", url: str | None = None, status: int | None = None):
+        super().__init__(message)
+        self.url = url
+        self.status = status
+
+
+class EndpointAuthError(EndpointError, PermissionError):
+    """An endpoint's API key is missing (the named environment variable is unset) or refused."""
