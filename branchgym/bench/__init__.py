@@ -57,6 +57,10 @@ STUDIES: dict[str, tuple[str, str]] = {
         "branchgym.bench.trl_trainer",
         "branchgym grpo and bpo vs TRL's GRPOTrainer: step time, its split, learner tokens",
     ),
+    "eval": (
+        "branchgym.bench.eval_speed",
+        "branchgym eval's lockstep batches vs a plain one-episode loop: episodes per hour",
+    ),
     "estimator": (
         "branchgym.bench.estimator",
         "Branching PO and its variants as gradient estimators on TreeMDP vs the exact gradient",

@@ -7,6 +7,8 @@ spec                                   agent
                                        (:class:`~branchgym.agents.policies.policy.TextPolicy`)
 ``expert``                             the env's scripted expert or planner
                                        (:mod:`branchgym.agents.policies.experts`)
+``gold``                               SWE-bench: each task's gold patch, graded as a
+                                       prediction (the grader's ceiling)
 ``module.path:attr``                   a policy object, a class or factory that makes one,
                                        or a function ``f(context) -> action``
 ``tiny``, ``smollm2``, a folder        a Hugging Face model folder, a Hub id in the local
@@ -42,7 +44,14 @@ import numpy as np
 from branchgym.error import OptionError
 from branchgym.rollout.policy import ActionSample, ActRequest, Policy
 
-__all__ = ["Agent", "FunctionPolicy", "agent_kind", "make_agent", "predictions_agent"]
+__all__ = [
+    "Agent",
+    "FunctionPolicy",
+    "agent_kind",
+    "gold_agent",
+    "make_agent",
+    "predictions_agent",
+]
 
 _MODULE_ATTR = re.compile(r"^[A-Za-z_][\w.]*:[A-Za-z_][\w.]*$")
 
@@ -104,7 +113,7 @@ class FunctionPolicy:
 
 def agent_kind(spec: str) -> str:
     """Which kind of agent ``spec`` names (without loading it)."""
-    if spec in ("random", "expert"):
+    if spec in ("random", "expert", "gold"):
         return spec
     if spec.startswith(("http://", "https://")):
         return "endpoint"
@@ -235,9 +244,16 @@ def make_agent(
             f"--model, --api-key-env and sampling options are for endpoint agents; "
             f"{spec!r} is a {kind} agent"
         )
+    if kind == "gold":
+        raise OptionError("gold is SWE-bench's reference agent: resolve it with gold_agent()")
     if kind == "random":
         from branchgym.agents.policies.policy import TextPolicy
 
+        if env_id == "branchgym/SWEBench-v0":
+            raise OptionError(
+                "random picks among the env's admissible actions, and SWE-bench lists none "
+                "(any shell command is an action); score gold, a model or predictions instead"
+            )
         return Agent(spec, kind, TextPolicy(), None, {"kind": kind})
     if kind == "expert":
         from branchgym.agents.policies.experts import AUTO_EXPERTS, EXPERTS
@@ -342,3 +358,19 @@ def predictions_agent(path: str | os.PathLike[str], task_ids: list[str]) -> Agen
     config = {"kind": "predictions", "file": str(file.resolve()), "digest": digest,
               "models": sorted(models)}  # fmt: skip
     return Agent(f"predictions:{file.name}", "predictions", None, None, config, preds)
+
+
+def gold_agent(env_kwargs: dict[str, Any], task_ids: list[str]) -> Agent:
+    """SWE-bench's gold patches as predictions: what the grader gives a correct fix."""
+    import gymnasium as gym
+
+    import branchgym  # noqa: F401 - registers the envs
+
+    env = gym.make("branchgym/SWEBench-v0", **env_kwargs)
+    try:
+        patches = {t.instance_id: t.patch for t in env.unwrapped.tasks}
+    finally:
+        env.close()
+    preds = {t: patches[t] for t in task_ids}
+    digest = hashlib.sha256(json.dumps(preds, sort_keys=True).encode()).hexdigest()[:16]
+    return Agent("gold", "predictions", None, None, {"kind": "gold", "digest": digest}, preds)

@@ -70,8 +70,9 @@ def configure(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("runs", nargs="*", help="with 'compare': the two run folders A and B")
     p.add_argument("--protocols", action="store_true", help="list the shipped protocols")
-    p.add_argument("--agent", help="random, expert, module:attr, a model folder or train "
-                   "run, tiny, smollm2, or an endpoint URL (http://host:port/v1)")  # fmt: skip
+    p.add_argument("--agent", help="random, expert, gold (SWE-bench), module:attr, a model "
+                   "folder or train run, tiny, smollm2, or an endpoint URL "
+                   "(http://host:port/v1)")  # fmt: skip
     p.add_argument("--predictions", help="SWE-bench: a predictions .jsonl (instance_id, "
                    "model_name_or_path, model_patch), graded with the defences on")  # fmt: skip
     p.add_argument("--protocol", help="a shipped protocol (default: the env's)")
@@ -134,7 +135,7 @@ def _compare(args: argparse.Namespace) -> int:
 
 def run(args: argparse.Namespace) -> int:
     """Run ``branchgym eval``."""
-    from branchgym.evaluation.agents import make_agent, predictions_agent
+    from branchgym.evaluation.agents import gold_agent, make_agent, predictions_agent
     from branchgym.evaluation.protocols import get_protocol
     from branchgym.evaluation.runner import EvalOptions, run_eval
 
@@ -169,6 +170,10 @@ def run(args: argparse.Namespace) -> int:
         if env_id != "branchgym/SWEBench-v0":
             raise OptionError("--predictions grades SWE-bench patches: use branchgym/SWEBench-v0")
         agent = predictions_agent(args.predictions, [t.id for t in pinned.tasks])
+    elif args.agent == "gold":
+        if env_id != "branchgym/SWEBench-v0":
+            raise OptionError("gold is SWE-bench's reference agent (each task's gold patch)")
+        agent = gold_agent(pinned.env_kwargs, [t.id for t in pinned.tasks])
     else:
         sampling = {
             k: v

@@ -227,6 +227,8 @@ def test_compare_pairs_runs_and_refuses_other_protocols(tmp_path, capsys):
         (["branchgym/TextTreeMDP-v0", "--agent", "http://127.0.0.1:9/v1"], OptionError,
          "needs --model"),
         (["branchgym/TextTreeMDP-v0"], OptionError, "exactly one of --agent"),
+        (["branchgym/TextTreeMDP-v0", "--agent", "gold"], OptionError,
+         "gold is SWE-bench's reference agent"),
         (["branchgym/TextTreeMDP-v0", "--agent", "random", "--predictions", "p.jsonl"],
          OptionError, "exactly one of"),
     ],
@@ -241,6 +243,11 @@ def test_bad_input_is_a_typed_error_that_names_the_fix(tmp_path, argv, error, me
     command.configure(parser)
     with pytest.raises(error, match=re.escape(message)):
         command.run(parser.parse_args([*argv, "--tasks", "2", "--out", str(tmp_path / "r")]))
+
+
+def test_random_is_refused_where_the_env_lists_no_admissible_actions():
+    with pytest.raises(OptionError, match="SWE-bench lists none"):
+        make_agent("random", "branchgym/SWEBench-v0")
 
 
 def test_malformed_predictions_name_the_line(tmp_path):

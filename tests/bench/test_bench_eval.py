@@ -1,0 +1,21 @@
+"""bench eval runs both ways on the same tasks and reports the speed-up it measured."""
+
+import json
+
+import pytest
+
+from branchgym.cli import main
+
+
+@pytest.mark.slow
+def test_bench_eval_measures_both_ways(tmp_path, capsys):
+    pytest.importorskip("torch")
+    argv = ["bench", "eval", "--model", "tiny", "--protocol", "texttree-ci", "--tasks", "3",
+            "--max-envs", "3", "--max-new-tokens", "4", "--out", str(tmp_path)]  # fmt: skip
+    assert main(argv) == 0
+    data = json.loads((tmp_path / "eval.json").read_text())
+    assert data["plain"]["env_steps"] > 0 and data["batched"]["env_steps"] > 0
+    assert data["speedup"] == pytest.approx(
+        data["plain"]["seconds"] / data["batched"]["seconds"]
+    )
+    assert "speed-up of branchgym eval over the plain loop" in capsys.readouterr().out
