@@ -9,6 +9,7 @@ r"""``branchgym eval``: score an agent on a pinned protocol, or compare two runs
         --temperature 0.7 --max-requests 8 --out runs/eval/webshop-smollm2
     branchgym eval branchgym/SWEBench-v0 --predictions preds.jsonl --out runs/eval/swe
     branchgym eval compare runs/eval/webshop-smollm2 runs/eval/webshop-expert
+    branchgym eval attribute runs/eval/webshop-smollm2 --forks 8 --episodes failed
     branchgym eval --protocols          # the shipped protocols
 
 The Python API under it: :func:`~branchgym.evaluation.protocols.get_protocol` (then
@@ -65,10 +66,11 @@ def configure(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "target",
         nargs="?",
-        help="the env id to evaluate on (its default protocol unless --protocol), or "
-        "'compare' followed by two run folders",
+        help="the env id to evaluate on (its default protocol unless --protocol), "
+        "'compare' followed by two run folders, or 'attribute' followed by one",
     )
-    p.add_argument("runs", nargs="*", help="with 'compare': the two run folders A and B")
+    p.add_argument("runs", nargs="*", help="with 'compare': the two run folders A and B; "
+                   "with 'attribute': the run folder")  # fmt: skip
     p.add_argument("--protocols", action="store_true", help="list the shipped protocols")
     p.add_argument("--agent", help="random, expert, gold (SWE-bench), module:attr, a model "
                    "folder or train run, tiny, smollm2, or an endpoint URL "
@@ -108,6 +110,13 @@ def configure(p: argparse.ArgumentParser) -> None:
     p.add_argument("--force", action="store_true",
                    help="compare: pair runs of different protocols anyway")  # fmt: skip
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.add_argument("--forks", type=_positive(int), default=8,
+                   help="attribute: forks per state (8)")  # fmt: skip
+    p.add_argument("--episodes", choices=("failed", "all"), default="failed",
+                   help="attribute: which episodes (failed)")  # fmt: skip
+    p.add_argument("--mode", choices=("bisect", "all"), default="bisect",
+                   help="attribute: bisect the steps (default) or fork at every step")  # fmt: skip
+    p.add_argument("--max-episodes", type=_positive(int), help="attribute: at most N episodes")
 
 
 def _protocols_table() -> str:
@@ -133,6 +142,19 @@ def _compare(args: argparse.Namespace) -> int:
     return 0
 
 
+def _attribute(args: argparse.Namespace) -> int:
+    from branchgym.evaluation.attribution import attribute_run
+
+    if len(args.runs) != 1:
+        raise OptionError("usage: branchgym eval attribute RUN [--forks K] [--episodes failed]")
+    attribute_run(
+        args.runs[0], forks=args.forks, episodes=args.episodes, mode=args.mode,
+        max_episodes=args.max_episodes, seed=args.seed, progress=not args.no_progress,
+    )  # fmt: skip
+    print((Path(args.runs[0]) / "attribution.md").read_text(), end="")
+    return 0
+
+
 def run(args: argparse.Namespace) -> int:
     """Run ``branchgym eval``."""
     from branchgym.evaluation.agents import gold_agent, make_agent, predictions_agent
@@ -144,6 +166,8 @@ def run(args: argparse.Namespace) -> int:
         return 0
     if args.target == "compare":
         return _compare(args)
+    if args.target == "attribute":
+        return _attribute(args)
     if args.target is None:
         raise OptionError("give an env id (branchgym eval ENV_ID --agent SPEC --out DIR)")
     if args.runs:

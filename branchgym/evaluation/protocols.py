@@ -120,6 +120,7 @@ class PinnedProtocol:
             "env_kwargs": self.env_kwargs,
             "tasks": len(self.tasks),
             "task_ids": [t.id for t in self.tasks],
+            "task_specs": [[t.id, t.seed, t.options] for t in self.tasks],
             "max_steps": self.max_steps,
             "data_digest": self.data_digest,
             "prompt": self.prompt,

@@ -562,7 +562,7 @@ def summarise(run_doc: dict[str, Any], episodes: list[dict[str, Any]]) -> dict[s
     counts = {o: sum(1 for r in episodes if r["outcome"] == o) for o in OUTCOMES}
     scored = [r for r in episodes if r["outcome"] != "infra_error"]
     summary: dict[str, Any] = {
-        "protocol": {key: proto[key] for key in proto if key != "task_ids"},
+        "protocol": {k: proto[k] for k in proto if k not in ("task_ids", "task_specs")},
         "agent": run_doc["agent"],
         "episodes_per_task": k,
         "seed": run_doc["seed"],

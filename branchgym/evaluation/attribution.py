@@ -1,0 +1,618 @@
+"""Where an episode was lost: the value of each state along it, measured by forking.
+
+A sandbox that can be snapshotted can answer what a transcript cannot: from the state
+``s_t`` before step ``t`` of an episode, could the same agent still have succeeded? Restore
+``s_t`` K times, let the agent play each fork to the end, and the share that succeed
+estimates ``V(s_t)``, the probability of success from there, with an exact (Clopper-Pearson)
+interval. Along a failed episode V starts where the agent's success rate on the task is
+and ends at 0; the step after which it falls is where the episode was lost, and the action
+taken there is the decisive one.
+
+* :func:`attribute_episode` measures V at the steps it needs and names the decisive step
+  of a failed episode, or says there is none: the drop from ``V(s_t)`` to ``V(s_{t+1})``
+  must be significant (a one-sided Fisher exact test, p < ``alpha``), otherwise "no
+  decisive step". A successful episode has none;
+* ``mode="bisect"`` spends the budget where it matters: V at the first state and the
+  known final outcome, then bisection into the half with the larger drop, so about
+  ``log2(T)`` states are forked instead of T; it finds a step where V falls, the largest
+  when V falls once (as along a single unrecoverable mistake). ``mode="all"`` forks at
+  every step and takes the largest significant drop. Both report their cost in env steps
+  and generated tokens, and bisection reports what forking at every step would have cost
+  (measured in ``all`` mode, estimated from the forks it ran otherwise);
+* :func:`attribute_run` runs it over a ``branchgym eval`` run's failed (or all) episodes
+  and groups the decisive steps by kind of action (:func:`action_kind`).
+
+The forks play the run's own agent (a policy, in lockstep across the forks, or a scripted
+expert beside each fork's env). Before any fork is trusted, the env's snapshots are
+checked (:func:`~branchgym.fidelity.checks.check_env`: round trip, independence, restoring
+twice, portability to a fresh instance) and every recorded step is replayed and compared
+with the transcript; an env that fails either is refused with
+:class:`~branchgym.error.FidelityViolation` instead of numbers built on broken forks.
+Stochastic envs give each fork its own environment randomness
+(:func:`branchgym.reseed`), so V averages over it as the episode's own success did.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from branchgym.error import FidelityViolation, OptionError
+from branchgym.rollout.policy import ActRequest, Context, Turn
+from branchgym.rollout.tree import SUCCESS_KEYS, RolloutTree
+
+__all__ = [
+    "Attribution",
+    "StepValue",
+    "action_kind",
+    "agent_from_run",
+    "attribute_episode",
+    "attribute_run",
+    "check_forks",
+]
+
+#: Snapshot checks that must pass before forks are trusted.
+FORK_CHECKS = ("round_trip", "independence", "restore_twice", "portability")
+
+
+@dataclasses.dataclass(frozen=True)
+class StepValue:
+    """``V(s_t)`` estimated from forks.
+
+    Attributes:
+        step: ``t``: the state before the episode's step ``t`` (``T``: after the last).
+        successes: Forks that succeeded.
+        forks: Forks run (0 for the final state, whose value is the episode's outcome).
+        low: Lower end of the exact interval.
+        high: Upper end.
+        env_steps: Env steps the forks took.
+        tokens: Tokens the forks generated.
+    """
+
+    step: int
+    successes: int
+    forks: int
+    low: float
+    high: float
+    env_steps: int = 0
+    tokens: int = 0
+
+    @property
+    def value(self) -> float:
+        """The estimate (the outcome itself at the final state)."""
+        return self.successes / self.forks if self.forks else float(self.successes)
+
+
+@dataclasses.dataclass
+class Attribution:
+    """One episode's value curve and its decisive step.
+
+    Attributes:
+        task: The task.
+        attempt: The attempt.
+        success: Whether the episode succeeded.
+        length: Its steps T.
+        values: ``V(s_t)`` at the steps measured, by step (the final state included).
+        decisive: The decisive step, or None.
+        drop: ``V(s_t) - V(s_{t+1})`` at the decisive step.
+        p_value: The one-sided Fisher exact test of that drop.
+        action: The action taken at the decisive step, and its kind.
+        statement: One sentence: what was found, and how sure.
+        cost: Env steps, generated tokens and forks spent.
+        naive_cost: What forking K times at every step costs (measured or estimated).
+    """
+
+    task: str
+    attempt: int
+    success: bool
+    length: int
+    values: list[StepValue]
+    decisive: int | None
+    drop: float | None
+    p_value: float | None
+    action: dict[str, str] | None
+    statement: str
+    cost: dict[str, int]
+    naive_cost: dict[str, Any]
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-ready fields (each value with its estimate)."""
+        d = dataclasses.asdict(self)
+        for v, sv in zip(d["values"], self.values, strict=True):
+            v["value"] = sv.value
+        return d
+
+
+def _interval(successes: int, n: int, confidence: float) -> tuple[float, float]:
+    from scipy import stats
+
+    ci = stats.binomtest(successes, n).proportion_ci(confidence, method="exact")
+    return float(ci.low), float(ci.high)
+
+
+def _drop_p(a: StepValue, b: StepValue) -> float:
+    """One-sided p-value that V(a) > V(b) (Fisher exact; a known outcome counts as K forks)."""
+    from scipy import stats
+
+    nb = b.forks or a.forks
+    sb = b.successes if b.forks else b.successes * nb
+    table = [[a.successes, a.forks - a.successes], [sb, nb - sb]]
+    return float(stats.fisher_exact(table, alternative="greater").pvalue)
+
+
+# ---------------------------------------------------------------- action kinds
+def action_kind(env_id: str, action: Any) -> str:
+    """The kind of an action, for reports of where episodes are lost.
+
+    WebShop: ``search``, ``product choice``, ``option``, ``purchase``, ``navigation``;
+    ALFWorld: the task phase (``navigation``, ``pick up``, ``place``, ``open/close``,
+    ``heat/cool/clean/use``, ``inspect``); SWE-bench: the command's program (``submit``
+    included); otherwise ``action``.
+    """
+    text = str(action).strip().lower()
+    if env_id == "branchgym/WebShop-v0":
+        if text.startswith("search["):
+            return "search"
+        inner = text[6:-1] if text.startswith("click[") else text
+        if inner == "buy now":
+            return "purchase"
+        if inner in ("back to search", "next >", "< prev", "description", "features",
+                     "reviews", "attributes"):  # fmt: skip
+            return "navigation"
+        if inner.startswith("b0") and len(inner) == 10:
+            return "product choice"
+        return "option"
+    if env_id == "branchgym/ALFWorld-v0":
+        for prefix, kind in (("go to", "navigation"), ("take", "pick up"), ("put", "place"),
+                             ("move", "place"), ("open", "open/close"), ("close", "open/close"),
+                             ("heat", "heat/cool/clean/use"), ("cool", "heat/cool/clean/use"),
+                             ("clean", "heat/cool/clean/use"), ("use", "heat/cool/clean/use"),
+                             ("examine", "inspect"), ("look", "inspect"),
+                             ("inventory", "inspect")):  # fmt: skip
+            if text.startswith(prefix):
+                return kind
+        return "other"
+    if env_id == "branchgym/SWEBench-v0":
+        return text.split()[0] if text.split() else "empty"
+    return "action"
+
+
+# ---------------------------------------------------------------- checks
+def check_forks(factory: Callable[[], Any], seed: int = 0) -> None:
+    """Refuse an env whose snapshots are not faithful (the checks forks rely on).
+
+    Raises:
+        FidelityViolation: naming each failed check and what it found.
+    """
+    from branchgym.fidelity.checks import check_env
+
+    report = check_env(factory, seed=seed, checks=FORK_CHECKS)
+    failed = [r for r in report.results if not r.passed]
+    if failed:
+        detail = "; ".join(f"{r.name}: {r.detail}" for r in failed)
+        raise FidelityViolation(
+            f"forks of this env cannot be trusted, its snapshots failed {detail}. Fix the "
+            "env's snapshot()/restore() (branchgym check ENV_ID shows each check) before "
+            "attributing episodes to steps."
+        )
+
+
+# ---------------------------------------------------------------- one episode
+class _Episode:
+    """The recorded episode, replayed once with a snapshot before every step."""
+
+    def __init__(self, tree: RolloutTree, make_env: Callable[[], Any], options: Any) -> None:
+        import branchgym
+
+        self.tree = tree
+        self.path = tree.paths()[0] if tree.paths() else []
+        self.nodes = [tree[i] for i in self.path]
+        env = make_env()
+        self.env = env
+        obs, info = env.reset(seed=tree.seed, options=options)
+        if not _same(obs, tree.observation):
+            raise FidelityViolation(
+                "the env did not reproduce the episode's first observation after reset with "
+                "its seed and options; attribution needs the run's own env configuration"
+            )
+        self.snaps = []
+        self.infos = [dict(info)]
+        for t, node in enumerate(self.nodes):
+            self.snaps.append(branchgym.snapshot(env))
+            obs, reward, term, trunc, info = env.step(node.action)
+            if not _same(obs, node.observation):
+                raise FidelityViolation(
+                    f"replaying the episode's action at step {t} gave another observation "
+                    "than the transcript's: the env is not deterministic given its seed, so "
+                    "forks from its snapshots would not be the episode's states"
+                )
+            self.infos.append(dict(info))
+        self.rewards = [float(n.reward) for n in self.nodes]
+
+    def context(self, t: int) -> Context:
+        ctx = Context(self.tree.env_id, self.tree.observation, self.infos[0])
+        for i, n in enumerate(self.nodes[:t]):
+            ctx = ctx.extend(Turn(n.text, tuple(int(x) for x in n.token_ids), n.action,
+                                  n.observation, self.infos[i + 1]))  # fmt: skip
+        return ctx
+
+    def close(self) -> None:
+        for s in self.snaps:
+            s.release()
+        self.env.close()
+
+
+def _same(a: Any, b: Any) -> bool:
+    if isinstance(a, np.ndarray) or isinstance(b, np.ndarray):
+        return bool(np.array_equal(np.asarray(a), np.asarray(b)))
+    return a == b
+
+
+def _succeeded(info: dict[str, Any], total: float, threshold: float = 1.0) -> bool:
+    for key in SUCCESS_KEYS:
+        if key in info and isinstance(info[key], bool | np.bool_):
+            return bool(info[key])
+    return total >= threshold - 1e-9
+
+
+def _forks(
+    ep: _Episode,
+    t: int,
+    k: int,
+    agent: Any,
+    make_env: Callable[[], Any],
+    envs: list[Any],
+    max_steps: int,
+    rng: np.random.Generator,
+) -> tuple[int, int, int]:
+    """K forks of the agent from ``s_t``: ``(successes, env steps, generated tokens)``."""
+    import branchgym
+
+    while len(envs) < k:
+        envs.append(make_env())
+    prefix = float(sum(ep.rewards[:t]))
+    lines = []
+    for j in range(k):
+        env = envs[j]
+        obs, info = branchgym.restore(env, ep.snaps[t])
+        branchgym.reseed(env, int(rng.integers(2**63)))
+        line = {"env": env, "ctx": ep.context(t), "info": dict(info), "total": prefix,
+                "done": False, "ok": False, "rng": np.random.default_rng(rng.integers(2**63)),
+                "act": agent.expert(env, rng) if agent.policy is None else None}  # fmt: skip
+        lines.append(line)
+    steps = tokens = 0
+    for step in range(t, max_steps):
+        live = [ln for ln in lines if not ln["done"]]
+        if not live:
+            break
+        if agent.policy is not None:
+            reqs = [ActRequest(ln["ctx"], 1, rngs=(ln["rng"],)) for ln in live]
+            samples = [s[0] for s in agent.policy.act(reqs, rng)]
+        else:
+            samples = [None] * len(live)
+        for ln, sample in zip(live, samples, strict=True):
+            if sample is None:
+                action = ln["act"](ln["ctx"].current_observation, ln["info"])
+                text, ids = str(action), ()
+            else:
+                action, text = sample.action, sample.text
+                ids = tuple(int(x) for x in sample.token_ids)
+                tokens += len(ids)
+            obs, reward, term, trunc, info = ln["env"].step(action)
+            steps += 1
+            ln["total"] += float(reward)
+            ln["info"] = dict(info)
+            ln["ctx"] = ln["ctx"].extend(Turn(text, ids, action, obs, dict(info)))
+            if term or trunc or step + 1 >= max_steps:
+                ln["done"] = True
+                ln["ok"] = _succeeded(info, ln["total"])
+    return sum(1 for ln in lines if ln["ok"]), steps, tokens
+
+
+def attribute_episode(
+    tree: RolloutTree,
+    agent: Any,
+    make_env: Callable[[], Any],
+    *,
+    options: dict[str, Any] | None = None,
+    max_steps: int,
+    forks: int = 8,
+    mode: str = "bisect",
+    seed: int = 0,
+    confidence: float = 0.95,
+    alpha: float = 0.05,
+    task: str = "",
+    attempt: int = 0,
+) -> Attribution:
+    """Measure V along one recorded episode and name its decisive step (module notes).
+
+    Args:
+        tree: The episode (one rollout), as ``branchgym eval`` saved it.
+        agent: A resolved :class:`~branchgym.evaluation.agents.Agent` (policy or expert).
+        make_env: Builds an env configured as the episode's.
+        options: The episode's reset options.
+        max_steps: The protocol's step cap (forks stop there too).
+        forks: K forks per state.
+        mode: ``bisect`` or ``all``.
+        seed: Seeds the forks.
+        confidence: Level of each V interval.
+        alpha: Level of the test that names a decisive step.
+        task: The task id (for the report).
+        attempt: The attempt (for the report).
+    """
+    if mode not in ("bisect", "all"):
+        raise OptionError(f"mode must be 'bisect' or 'all', got {mode!r}")
+    if forks < 2:
+        raise OptionError(f"forks must be at least 2 (K forks estimate V), got {forks}")
+    ep = _Episode(tree, make_env, options)
+    rng = np.random.default_rng([seed, 0xA77])
+    envs: list[Any] = []
+    try:
+        T = len(ep.nodes)
+        success = bool(T) and _succeeded(ep.nodes[-1].info or {}, sum(ep.rewards))
+        measured: dict[int, StepValue] = {T: StepValue(T, int(success), 0, float(success),
+                                                       float(success))}  # fmt: skip
+
+        def value(t: int) -> StepValue:
+            if t not in measured:
+                s, steps, toks = _forks(ep, t, forks, agent, make_env, envs, max_steps, rng)
+                lo, hi = _interval(s, forks, confidence)
+                measured[t] = StepValue(t, s, forks, lo, hi, steps, toks)
+            return measured[t]
+
+        if T == 0:
+            steps_to_fork: list[int] = []
+        elif mode == "all":
+            steps_to_fork = list(range(T))
+        elif success:
+            steps_to_fork = [0]  # V at the start, for the report; nothing to bisect
+        else:
+            steps_to_fork = []
+            lo, hi = 0, T
+            value(lo)
+            while hi - lo > 1 and _drop_p(measured[lo], measured[hi]) < alpha:
+                mid = (lo + hi) // 2
+                v_mid = value(mid)
+                left = measured[lo].value - v_mid.value
+                right = v_mid.value - measured[hi].value
+                lo, hi = (lo, mid) if left >= right else (mid, hi)
+        for t in steps_to_fork:
+            value(t)
+        decisive = drop = p_best = None
+        steps = sorted(measured)
+        for a, b in zip(steps, steps[1:], strict=False):
+            if b != a + 1 or success:  # a won episode was not lost anywhere
+                continue
+            p = _drop_p(measured[a], measured[b])
+            d = measured[a].value - measured[b].value
+            if p < alpha and (drop is None or d > drop):
+                decisive, drop, p_best = a, d, p
+        values = [measured[t] for t in steps]
+        cost = {
+            "forks": sum(v.forks for v in values),
+            "env_steps": sum(v.env_steps for v in values),
+            "tokens": sum(v.tokens for v in values),
+        }
+        if mode == "all":
+            naive = {"forks": cost["forks"], "env_steps": cost["env_steps"],
+                     "tokens": cost["tokens"], "measured": True}  # fmt: skip
+        else:  # each fork from s_t runs about as long as the forks measured from there
+            per = [(v.step, v.env_steps / v.forks) for v in values if v.forks]
+            est = 0.0
+            for t in range(T):
+                near = min(per, key=lambda p: abs(p[0] - t))[1] if per else T - t
+                est += forks * near
+            naive = {"forks": forks * T, "env_steps": round(est), "measured": False}
+        action = None
+        if decisive is not None:
+            node = ep.nodes[decisive]
+            action = {"action": str(node.action), "kind": action_kind(tree.env_id, node.action)}
+            a, b = measured[decisive], measured[decisive + 1]
+            statement = (
+                f"lost at step {decisive} ({action['kind']}: {str(node.action)[:60]}): V falls "
+                f"from {a.value:.2f} [{a.low:.2f}, {a.high:.2f}] to {b.value:.2f}"
+                + (f" [{b.low:.2f}, {b.high:.2f}]" if b.forks else " (the outcome)")
+                + f", one-sided Fisher p = {p_best:.2g}"
+            )
+        else:
+            statement = (
+                "no decisive step: no drop of V between adjacent measured states is "
+                f"significant at {alpha:g}"
+                + (" (the episode succeeded)" if success else "")
+            )
+        return Attribution(task, attempt, success, T, values, decisive, drop, p_best, action,
+                           statement, cost, naive)  # fmt: skip
+    finally:
+        for env in envs:
+            env.close()
+        ep.close()
+
+
+
+# ---------------------------------------------------------------- a run
+def agent_from_run(run_doc: dict[str, Any]) -> Any:
+    """The run's own agent, rebuilt from its ``run.json``.
+
+    Raises:
+        OptionError: The run graded predictions (there is no agent to fork).
+    """
+    from branchgym.evaluation.agents import make_agent
+
+    spec, config = run_doc["agent"]["spec"], run_doc["agent"]["config"]
+    env_id = run_doc["protocol"]["env_id"]
+    kind = config.get("kind")
+    if kind in ("predictions", "gold"):
+        raise OptionError(
+            "this run graded a predictions file: there is no agent to fork; attribute a run "
+            "of an agent (random, expert, a model, an endpoint, module:attr)"
+        )
+    if kind == "model":
+        return make_agent(config["model"], env_id, max_new_tokens=config["max_new_tokens"])
+    if kind == "endpoint":
+        return make_agent(config["base_url"], env_id, model=config["model"],
+                          sampling=config.get("sampling"))  # fmt: skip
+    return make_agent(spec, env_id)
+
+
+def attribute_run(
+    run_dir: str | Path,
+    *,
+    forks: int = 8,
+    episodes: str = "failed",
+    mode: str = "bisect",
+    max_episodes: int | None = None,
+    seed: int = 0,
+    alpha: float = 0.05,
+    agent: Any = None,
+    make_env: Callable[[], Any] | None = None,
+    progress: bool = True,
+) -> dict[str, Any]:
+    """Attribute a ``branchgym eval`` run's episodes; writes ``attribution.jsonl`` and ``.md``.
+
+    Args:
+        run_dir: The run folder.
+        forks: K forks per state.
+        episodes: ``failed`` or ``all``.
+        mode: ``bisect`` or ``all`` (:func:`attribute_episode`).
+        max_episodes: Attribute at most this many (in the run's order).
+        seed: Seeds the forks.
+        alpha: Level of the decisive-step test.
+        agent: The agent to fork (default: the run's own, rebuilt from ``run.json``).
+        make_env: Builds the env (default: the run's protocol's env).
+        progress: Show a progress bar.
+
+    Returns:
+        The report: per episode, and where episodes are lost by step and by kind of action.
+    """
+    from tqdm import tqdm
+
+    from branchgym.evaluation.protocols import Task
+    from branchgym.evaluation.runner import read_episodes
+    from branchgym.rollout.executor_base import EnvRecipe
+    from branchgym.tree_format import load_trees
+
+    if episodes not in ("failed", "all"):
+        raise OptionError(f"episodes must be 'failed' or 'all', got {episodes!r}")
+    run_dir = Path(run_dir)
+    if not (run_dir / "run.json").exists():
+        raise OptionError(f"{run_dir} is not a branchgym eval run folder (no run.json)")
+    run_doc = json.loads((run_dir / "run.json").read_text())
+    proto = run_doc["protocol"]
+    tasks = {tid: Task(tid, seed_, opts) for tid, seed_, opts in proto["task_specs"]}
+    agent = agent if agent is not None else agent_from_run(run_doc)
+    if make_env is None:
+        make_env = EnvRecipe(proto["env_id"], dict(proto["env_kwargs"])).make
+    check_forks(make_env, seed=seed)
+    chosen = [
+        r
+        for r in read_episodes(run_dir / "episodes.jsonl").values()
+        if r["outcome"] not in ("infra_error", "agent_error") and r.get("tree")
+        and (episodes == "all" or not r["success"])
+    ]  # fmt: skip
+    chosen.sort(key=lambda r: (proto["task_ids"].index(r["task"]), r["attempt"]))
+    if max_episodes is not None:
+        chosen = chosen[:max_episodes]
+    results = []
+    bar = tqdm(chosen, desc="attribute", unit="episode", disable=not progress)
+    for rec in bar:
+        (tree,) = load_trees(run_dir / rec["tree"])
+        task = tasks[rec["task"]]
+        res = attribute_episode(
+            tree, agent, make_env, options=task.options or None, max_steps=proto["max_steps"],
+            forks=forks, mode=mode, seed=seed, alpha=alpha, task=rec["task"],
+            attempt=rec["attempt"],
+        )  # fmt: skip
+        results.append(res)
+        bar.set_postfix_str("no step" if res.decisive is None else f"step {res.decisive}")
+    report = _run_report(run_doc, results, forks=forks, mode=mode, alpha=alpha)
+    with open(run_dir / "attribution.jsonl", "w") as fh:
+        for res in results:
+            fh.write(json.dumps(res.to_dict(), default=str) + "\n")
+    (run_dir / "attribution.md").write_text(_markdown(report, results))
+    if results:
+        _plot(results, run_dir / "attribution.png", proto["env_id"])
+    return report
+
+
+def _run_report(run_doc: dict[str, Any], results: list[Attribution], **how: Any) -> dict[str, Any]:
+    by_kind: dict[str, int] = {}
+    by_step: dict[int, int] = {}
+    for r in results:
+        if r.decisive is not None and r.action is not None:
+            by_kind[r.action["kind"]] = by_kind.get(r.action["kind"], 0) + 1
+            by_step[r.decisive] = by_step.get(r.decisive, 0) + 1
+    return {
+        "run": run_doc["agent"]["spec"],
+        "protocol": run_doc["protocol"]["name"],
+        **how,
+        "episodes": len(results),
+        "decisive": sum(1 for r in results if r.decisive is not None),
+        "by_kind": dict(sorted(by_kind.items(), key=lambda kv: -kv[1])),
+        "by_step": dict(sorted(by_step.items())),
+        "cost": {k: sum(r.cost[k] for r in results) for k in ("forks", "env_steps", "tokens")},
+        "naive_cost": {k: sum(r.naive_cost.get(k, 0) for r in results)
+                       for k in ("forks", "env_steps")},  # fmt: skip
+    }
+
+
+def _markdown(report: dict[str, Any], results: list[Attribution]) -> str:
+    lines = [
+        f"# Where {report['run']}'s episodes were lost ({report['protocol']})",
+        "",
+        f"{report['episodes']} episodes, {report['forks']} forks per state, mode "
+        f"{report['mode']}; a decisive step in {report['decisive']}.",
+        f"Cost: {report['cost']['forks']} forks, {report['cost']['env_steps']} env steps, "
+        f"{report['cost']['tokens']} generated tokens; forking at every step: "
+        f"{report['naive_cost']['forks']} forks, about {report['naive_cost']['env_steps']} "
+        "env steps.",
+        "",
+        "| kind of the decisive action | episodes |",
+        "|---|---|",
+        *[f"| {k} | {n} |" for k, n in report["by_kind"].items()],
+        "",
+        "| decisive step | episodes |",
+        "|---|---|",
+        *[f"| {k} | {n} |" for k, n in report["by_step"].items()],
+        "",
+        "| task | attempt | steps | V along the episode | finding |",
+        "|---|---|---|---|---|",
+    ]
+    for r in results:
+        curve = ", ".join(f"{v.step}: {v.value:.2f}" for v in r.values)
+        lines.append(f"| {r.task} | {r.attempt} | {r.length} | {curve} | {r.statement} |")
+    return "\n".join(lines) + "\n"
+
+
+def _plot(results: list[Attribution], path: Path, env_id: str, most: int = 12) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    shown = results[:most]
+    cols = min(4, len(shown))
+    rows = (len(shown) + cols - 1) // cols
+    fig, axes = plt.subplots(rows, cols, figsize=(3.2 * cols, 2.4 * rows), squeeze=False)
+    for ax, r in zip(axes.flat, shown, strict=False):
+        steps = [v.step for v in r.values]
+        ax.plot(steps, [v.value for v in r.values], marker="o", color="tab:blue")
+        ax.fill_between(steps, [v.low for v in r.values], [v.high for v in r.values],
+                        color="tab:blue", alpha=0.2)  # fmt: skip
+        if r.decisive is not None:
+            ax.axvspan(r.decisive, r.decisive + 1, color="tab:red", alpha=0.2)
+        ax.set_ylim(-0.05, 1.05)
+        ax.set_title(f"{r.task} #{r.attempt}", fontsize=8)
+        ax.set_xlabel("step", fontsize=7)
+        ax.set_ylabel("V(s_t)", fontsize=7)
+    for ax in list(axes.flat)[len(shown):]:
+        ax.axis("off")
+    fig.suptitle(f"{env_id}: value along each episode (95 % exact intervals), decisive step red",
+                 fontsize=9)  # fmt: skip
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)

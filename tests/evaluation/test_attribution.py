@@ -1,0 +1,166 @@
+"""Attribution by forking, validated where the truth is known."""
+
+import json
+
+import gymnasium as gym
+import numpy as np
+import pytest
+
+import branchgym
+from branchgym.error import FidelityViolation
+from branchgym.evaluation.agents import Agent, make_agent
+from branchgym.evaluation.attribution import action_kind, attribute_episode, attribute_run
+from branchgym.evaluation.protocols import get_protocol
+from branchgym.evaluation.runner import EvalOptions, read_episodes, run_eval
+from branchgym.tree_format import load_trees
+
+
+def test_value_intervals_cover_the_exact_values_on_texttree(tmp_path):
+    """The uniform random agent on the CI maze: V^pi(s_t) is exact (backward induction).
+
+    Clopper-Pearson intervals are conservative: at 95 % they cover at least 95 % of the
+    time, so over 36 states at least 32 must be covered (failing that has probability
+    under 1 % at the nominal rate).
+    """
+    proto = get_protocol("texttree-ci").resolve(tasks=12)
+    run_eval(proto, make_agent("random", proto.env_id), tmp_path, EvalOptions(progress=False))
+    attribute_run(tmp_path, forks=30, episodes="all", mode="all", progress=False)
+    base = gym.make(proto.env_id, **proto.env_kwargs).unwrapped
+    hits = n = 0
+    for line in (tmp_path / "attribution.jsonl").read_text().splitlines():
+        res = json.loads(line)
+        (tree,) = load_trees(tmp_path / "trees" / f"{res['task']}__a0.json.gz")
+        nodes = [tree.info["node"]] + [tree[i].info["node"] for i in tree.paths()[0]]
+        for v in res["values"]:
+            if v["forks"]:
+                n += 1
+                hits += v["low"] <= base.value(nodes[v["step"]]) <= v["high"]
+        if res["success"]:
+            assert res["decisive"] is None and "succeeded" in res["statement"]
+    assert n == 36 and hits >= 32, (hits, n)
+    report = (tmp_path / "attribution.md").read_text()
+    assert "forking at every step" in report and (tmp_path / "attribution.png").exists()
+
+
+def _slip_expert(step: int, p: float):
+    """The WebShop shopper, except that at ``step`` it buys at once with probability ``p``.
+
+    Buying before choosing the options the goal names ends the episode below reward 1:
+    an unrecoverable mistake, made by chance, as an agent's slips are.
+    """
+    from branchgym.agents.policies.experts import webshop_expert
+
+    def make(env, rng):
+        act = webshop_expert(env, rng)
+
+        def slip(obs, info):
+            if int(info.get("step", -1)) == step and rng.random() < p:
+                return "click[buy now]"
+            return act(obs, info)
+
+        return slip
+
+    return make
+
+
+@pytest.mark.slow
+def test_attribution_names_the_step_of_a_known_mistake_on_webshop(tmp_path):
+    proto = get_protocol("webshop-test").resolve(tasks=60)
+    expert = make_agent("expert", proto.env_id)
+    run_eval(proto, expert, tmp_path / "expert", EvalOptions(progress=False))
+    eps = read_episodes(tmp_path / "expert" / "episodes.jsonl")
+    # goals the shopper wins by choosing at least one option at step 2 (an item page)
+    ids = [t for (t, _), r in eps.items() if r["success"] and len(r["actions"]) >= 4
+           and r["actions"][2] != "click[buy now]"]  # fmt: skip
+    assert len(ids) >= 10
+    sub = get_protocol("webshop-test").resolve(tasks=ids)
+    slip = Agent("slip", "expert", None, _slip_expert(2, 0.5), {"kind": "slip"})
+    run_eval(sub, slip, tmp_path / "slip", EvalOptions(episodes_per_task=2, progress=False))
+    report = attribute_run(tmp_path / "slip", forks=20, episodes="all", agent=slip,
+                           progress=False)  # fmt: skip
+    results = [json.loads(x) for x in (tmp_path / "slip" / "attribution.jsonl").open()]
+    failed = [r for r in results if not r["success"]]
+    won = [r for r in results if r["success"]]
+    assert len(failed) >= 5 and won
+    named = sum(1 for r in failed if r["decisive"] == 2)
+    assert named >= 0.9 * len(failed), [r["statement"] for r in failed]
+    assert all(r["action"]["kind"] == "purchase" for r in failed if r["decisive"] == 2)
+    assert all(r["decisive"] is None for r in won)
+    # bisection forks at about log2(T) states instead of T
+    assert report["cost"]["forks"] < report["naive_cost"]["forks"]
+    assert report["by_kind"].get("purchase", 0) == named
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("protocol", ["webshop-test", "alfworld-thor-unseen"])
+def test_a_correct_expert_episode_has_no_decisive_step(tmp_path, protocol):
+    proto = get_protocol(protocol).resolve(tasks=8)
+    expert = make_agent("expert", proto.env_id)
+    run_eval(proto, expert, tmp_path, EvalOptions(progress=False))
+    won = [r for r in read_episodes(tmp_path / "episodes.jsonl").values() if r["success"]][:2]
+    assert won
+    make_env = branchgym.rollout.executor_base.EnvRecipe(proto.env_id, proto.env_kwargs).make
+    tasks = {t.id: t for t in proto.tasks}
+    for rec in won:
+        (tree,) = load_trees(tmp_path / rec["tree"])
+        res = attribute_episode(tree, expert, make_env, options=tasks[rec["task"]].options,
+                                max_steps=proto.max_steps, forks=4, mode="all")  # fmt: skip
+        assert res.decisive is None
+        assert all(v.value == 1.0 for v in res.values)  # the planner wins from every state
+
+
+def test_an_unfaithful_sandbox_is_refused_before_any_fork(tmp_path):
+    from branchgym.scenarios.faults import RestoreFault
+
+    proto = get_protocol("texttree-ci").resolve(tasks=3)
+    run_eval(proto, make_agent("random", proto.env_id), tmp_path, EvalOptions(progress=False))
+
+    def broken():
+        return RestoreFault(gym.make(proto.env_id, **proto.env_kwargs), rate=1.0, seed=0)
+
+    with pytest.raises(FidelityViolation, match="cannot be trusted"):
+        attribute_run(tmp_path, forks=4, episodes="all", make_env=broken, progress=False)
+    assert not (tmp_path / "attribution.jsonl").exists()
+
+
+def test_a_run_of_predictions_has_no_agent_to_fork(tmp_path):
+    from branchgym.error import OptionError
+    from branchgym.evaluation.attribution import agent_from_run
+
+    doc = {"agent": {"spec": "gold", "config": {"kind": "gold"}},
+           "protocol": {"env_id": "branchgym/SWEBench-v0"}}  # fmt: skip
+    with pytest.raises(OptionError, match="no agent to fork"):
+        agent_from_run(doc)
+
+
+@pytest.mark.parametrize(
+    ("env_id", "action", "kind"),
+    [
+        ("branchgym/WebShop-v0", "search[red shoes]", "search"),
+        ("branchgym/WebShop-v0", "click[b07xyz1234]", "product choice"),
+        ("branchgym/WebShop-v0", "click[size 9]", "option"),
+        ("branchgym/WebShop-v0", "click[buy now]", "purchase"),
+        ("branchgym/WebShop-v0", "click[< prev]", "navigation"),
+        ("branchgym/ALFWorld-v0", "go to cabinet 1", "navigation"),
+        ("branchgym/ALFWorld-v0", "take mug 1 from countertop 1", "pick up"),
+        ("branchgym/ALFWorld-v0", "heat mug 1 with microwave 1", "heat/cool/clean/use"),
+        ("branchgym/SWEBench-v0", "grep -rn foo .", "grep"),
+        ("branchgym/SWEBench-v0", "submit", "submit"),
+    ],
+)
+def test_action_kinds(env_id, action, kind):
+    assert action_kind(env_id, action) == kind
+
+
+def test_forks_reseed_a_stochastic_env(tmp_path):
+    """Siblings restored from one snapshot draw their own transitions (not one shared draw)."""
+    proto = get_protocol("texttree-ci").resolve(tasks=1)
+    run_eval(proto, make_agent("random", proto.env_id), tmp_path, EvalOptions(progress=False))
+    rec = next(iter(read_episodes(tmp_path / "episodes.jsonl").values()))
+    (tree,) = load_trees(tmp_path / rec["tree"])
+    make_env = branchgym.rollout.executor_base.EnvRecipe(proto.env_id, proto.env_kwargs).make
+    res = attribute_episode(tree, make_agent("random", proto.env_id), make_env,
+                            max_steps=proto.max_steps, forks=40, mode="all")  # fmt: skip
+    first = res.values[0]
+    assert 0 < first.successes < first.forks  # a shared draw would give all or none
+    assert np.isclose(first.value, first.successes / 40)
