@@ -18,10 +18,11 @@ One HTTP request per sample (``n`` is never sent): servers differ on ``n`` (vLLM
 refuses ``n > 1`` with greedy sampling, llama.cpp ignores it), and one request per
 sample lets each sample carry its own ``seed``, drawn from the rollout's own random
 stream (:func:`~branchgym.rollout.policy.sample_rng`), so a rerun asks the server for
-the same samples whichever other rollouts share the batch. Requests run on at most
-``max_concurrent`` threads. The client is the standard library's ``urllib``: one
-JSON POST per sample needs nothing more, and the policy raises its own typed errors
-(an extra client would bring its own retry loop and exception tree to translate).
+the same samples whichever other rollouts share the batch. At most ``max_concurrent``
+requests are in flight, however many threads call ``act``. The client is the standard
+library's ``urllib``: one JSON POST per sample needs nothing more, and the policy raises
+its own typed errors (an extra client would bring its own retry loop and exception tree
+to translate, and a dependency the ``make test`` venv would have to install).
 
 Token accounting: :attr:`EndpointPolicy.usage` holds the totals the server reported
 (``prompt_tokens``, ``completion_tokens``, ...) and :attr:`EndpointPolicy.calls` one
@@ -150,7 +151,8 @@ class EndpointPolicy:
         stop: Stop string(s), or ``None``.
         logprobs: Ask for the sampled tokens' log-probs. A server that refuses them
             (HTTP 400 naming ``logprobs``) is asked again without, once for the run.
-        max_concurrent: Most HTTP requests in flight at once (a thread pool per call).
+        max_concurrent: Most HTTP requests in flight at once, over all threads that call
+            :meth:`act` (each call sends its samples from a thread pool).
         timeout_s: Seconds to wait to connect and for each read of an answer.
         retries: Further tries after a connection error, a timeout or an HTTP status in
             :data:`RETRY_STATUS`; other 4xx answers and garbage bodies fail at once.
@@ -237,6 +239,8 @@ class EndpointPolicy:
         handlers = [urllib.request.ProxyHandler({})] if _is_loopback(parts.hostname) else []
         self._opener = urllib.request.build_opener(*handlers)
         self._lock = threading.Lock()
+        # The cap holds across threads: a runner may call act from several at once.
+        self._slots = threading.BoundedSemaphore(max_concurrent)
         self.usage: dict[str, float] = {}
         self.calls: list[dict[str, Any]] = []
         self.reset_usage()
@@ -409,7 +413,9 @@ class EndpointPolicy:
             with_logprobs = self.logprobs
             try:
                 payload = {**body, "logprobs": True} if with_logprobs else body
-                return self._post(payload), attempt
+                with self._slots:
+                    data = self._post(payload)
+                return data, attempt
             except _Retryable as exc:
                 if attempt > self.retries:
                     raise exc.error from None
