@@ -330,7 +330,13 @@ class EndpointPolicy:
         latency = time.perf_counter() - t0
         choice = self._choice(data)
         message = choice.get("message")
-        content = message.get("content") if isinstance(message, dict) else None
+        if not isinstance(message, dict):
+            raise EndpointError(
+                f"{self.url} answered a choice without a chat message ({str(choice)[:120]!r}); "
+                "is it a chat-completions endpoint (not the legacy /completions)?",
+                url=self.url,
+            )
+        content = message.get("content")
         if content is not None and not isinstance(content, str):
             raise EndpointError(
                 f"{self.url} answered a message whose content is not text "

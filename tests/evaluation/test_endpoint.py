@@ -248,9 +248,13 @@ def _http(status: str, body: bytes, ctype: str = "text/html") -> bytes:
         (_http("200 OK", b"<html>hello</html>"), "not JSON"),
         (_http("200 OK", b'{"object": "list"}', "application/json"), "without a 'choices'"),
         (_http("200 OK", b"[1, 2]", "application/json"), "not an object"),
+        (
+            _http("200 OK", b'{"choices": [{"text": "hi"}]}', "application/json"),
+            "without a chat message",
+        ),
         (b"SSH-2.0-OpenSSH_9.6\r\n", "did not answer HTTP"),
     ],
-    ids=["html", "no-choices", "json-list", "not-http"],
+    ids=["html", "no-choices", "json-list", "legacy-completion", "not-http"],
 )
 def test_an_endpoint_answering_garbage_is_a_typed_error(canned, reply, match):
     server = canned(reply)
