@@ -64,7 +64,8 @@ def is_under(module: str, package: str) -> bool:
 
 
 def test_module_names_map_the_source_folders():
-    assert module_name(ROOT / "agents" / "policies" / "policy.py") == "branchgym.agents.policies.policy"
+    policy = ROOT / "agents" / "policies" / "policy.py"
+    assert module_name(policy) == "branchgym.agents.policies.policy"
     assert module_name(ROOT / "branchgym" / "bench" / "__init__.py") == "branchgym.bench"
 
 

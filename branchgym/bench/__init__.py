@@ -61,6 +61,10 @@ STUDIES: dict[str, tuple[str, str]] = {
         "branchgym.bench.eval_speed",
         "branchgym eval's lockstep batches vs a plain one-episode loop: episodes per hour",
     ),
+    "eval-states": (
+        "branchgym.bench.eval_states",
+        "two agents compared from identical snapshots vs independent runs: interval widths",
+    ),
     "estimator": (
         "branchgym.bench.estimator",
         "Branching PO and its variants as gradient estimators on TreeMDP vs the exact gradient",

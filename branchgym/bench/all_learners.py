@@ -28,8 +28,8 @@ from typing import Any
 from branchgym.bench import source
 from branchgym.bench.common import Report
 from branchgym.bench.runs import (
-    RECOMMENDED_BPO,
     CI_MAZE,
+    RECOMMENDED_BPO,
     SeedResult,
     mean_curve,
     mean_se,

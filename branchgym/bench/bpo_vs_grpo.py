@@ -2,25 +2,25 @@
 
 Setup (every figure of the report is measured in the same run):
 
-* **Main comparison** on a TextTreeMDP maze (depth 4, 3 exits, Bernoulli rewards:
-  uniform policy 0.44, optimal 0.955), the tiny random Qwen2 with the scoring policy,
-  N = 7 rollouts per prompt for every learner (Branching PO M = 2, K = 4: N = 1 + M(K-1);
-  GRPO and RLOO N = 7), the same prompts per step, learning rate and seeds. Success is
-  exact (no evaluation noise). Beside them, the Branching PO design docs/estimators.md
-  recommends (``bpo_rec``: G = 5 backbones branched at the maze's last decision,
-  value-difference credit, planned per-depth weights; N = 20), since spec Branching PO is
-  a biased gradient estimator and not the configuration to use. Reported: success vs updates, updates to reach GRPO's
-  final level (the source: 38 % fewer), the gradient-norm variance ratio BPO/GRPO in the
-  early, middle and late third of training (the source: about 0.42 early, 0.58 late; raw
-  and scale-free, since GRPO normalises advantages and BPO does not), the share of
-  non-degenerate advantages (max |A| > 0.1; the source: 71 % -> 94 % on SWE-bench).
-  The gradient-norm variance ratio is Var(|g|) over training windows of a moving policy:
-  it mixes policy drift, the advantages' scale and degenerate groups, and is reported
-  only to compare with the source's figure; it is **not** a measure of estimator noise.
-  The estimator-level figure (noise-to-signal tr Cov / |mean|^2 of each learner's
-  gradient at a frozen policy, matched rollouts and tokens) is ``branchgym bench
-  gradient-noise``; ``--noise-batches N`` adds it here, measured at this study's
-  starting policy.
+* **Main comparison** on a TextTreeMDP maze (depth 4, 3 exits, Bernoulli rewards: uniform
+  policy 0.44, optimal 0.955), the tiny random Qwen2 with the scoring policy, N = 7
+  rollouts per prompt for every learner (Branching PO M = 2, K = 4: N = 1 + M(K-1); GRPO
+  and RLOO N = 7), the same prompts per step, learning rate and seeds. Success is exact
+  (no evaluation noise). Beside them, the Branching PO design docs/estimators.md
+  recommends (``bpo_rec``: G = 5 backbones branched at the maze's last decision, value-
+  difference credit, planned per-depth weights; N = 20), since spec Branching PO is a
+  biased gradient estimator and not the configuration to use. Reported: success vs
+  updates, updates to reach GRPO's final level (the source: 38 % fewer), the gradient-norm
+  variance ratio BPO/GRPO in the early, middle and late third of training (the source:
+  about 0.42 early, 0.58 late; raw and scale-free, since GRPO normalises advantages and
+  BPO does not), the share of non-degenerate advantages (max |A| > 0.1; the source: 71 %
+  -> 94 % on SWE-bench). The gradient-norm variance ratio is Var(|g|) over training
+  windows of a moving policy: it mixes policy drift, the advantages' scale and degenerate
+  groups, and is reported only to compare with the source's figure; it is **not** a
+  measure of estimator noise. The estimator-level figure (noise-to-signal tr Cov /
+  |mean|^2 of each learner's gradient at a frozen policy, matched rollouts and tokens) is
+  ``branchgym bench gradient-noise``; ``--noise-batches N`` adds it here, measured at this
+  study's starting policy.
 * **Ablations** of Branching PO on the same maze: K in {1, 2, 4, 8} (K = 1 is the RLOO
   fallback over independent backbones, the source's K = 1 row), the schedule (entropy,
   uniform random, evenly spaced, lowest entropy: the source finds the last worse than

@@ -48,12 +48,14 @@ from branchgym.rollout.tree import SUCCESS_KEYS, RolloutTree
 
 __all__ = [
     "Attribution",
+    "Episode",
     "StepValue",
     "action_kind",
     "agent_from_run",
     "attribute_episode",
     "attribute_run",
     "check_forks",
+    "forks_from",
 ]
 
 #: Snapshot checks that must pass before forks are trusted.
@@ -203,8 +205,12 @@ def check_forks(factory: Callable[[], Any], seed: int = 0) -> None:
 
 
 # ---------------------------------------------------------------- one episode
-class _Episode:
-    """The recorded episode, replayed once with a snapshot before every step."""
+class Episode:
+    """The recorded episode, replayed once with a snapshot before every step.
+
+    Raises:
+        FidelityViolation: The env does not reproduce the transcript's observations.
+    """
 
     def __init__(self, tree: RolloutTree, make_env: Callable[[], Any], options: Any) -> None:
         import branchgym
@@ -235,6 +241,7 @@ class _Episode:
         self.rewards = [float(n.reward) for n in self.nodes]
 
     def context(self, t: int) -> Context:
+        """What the agent saw before step ``t``: the reset and the recorded turns."""
         ctx = Context(self.tree.env_id, self.tree.observation, self.infos[0])
         for i, n in enumerate(self.nodes[:t]):
             ctx = ctx.extend(Turn(n.text, tuple(int(x) for x in n.token_ids), n.action,
@@ -242,6 +249,7 @@ class _Episode:
         return ctx
 
     def close(self) -> None:
+        """Release the snapshots and close the env."""
         for s in self.snaps:
             s.release()
         self.env.close()
@@ -260,8 +268,8 @@ def _succeeded(info: dict[str, Any], total: float, threshold: float = 1.0) -> bo
     return total >= threshold - 1e-9
 
 
-def _forks(
-    ep: _Episode,
+def forks_from(
+    ep: Episode,
     t: int,
     k: int,
     agent: Any,
@@ -349,7 +357,7 @@ def attribute_episode(
         raise OptionError(f"mode must be 'bisect' or 'all', got {mode!r}")
     if forks < 2:
         raise OptionError(f"forks must be at least 2 (K forks estimate V), got {forks}")
-    ep = _Episode(tree, make_env, options)
+    ep = Episode(tree, make_env, options)
     rng = np.random.default_rng([seed, 0xA77])
     envs: list[Any] = []
     try:
@@ -360,7 +368,7 @@ def attribute_episode(
 
         def value(t: int) -> StepValue:
             if t not in measured:
-                s, steps, toks = _forks(ep, t, forks, agent, make_env, envs, max_steps, rng)
+                s, steps, toks = forks_from(ep, t, forks, agent, make_env, envs, max_steps, rng)
                 lo, hi = _interval(s, forks, confidence)
                 measured[t] = StepValue(t, s, forks, lo, hi, steps, toks)
             return measured[t]

@@ -117,6 +117,11 @@ def configure(p: argparse.ArgumentParser) -> None:
     p.add_argument("--mode", choices=("bisect", "all"), default="bisect",
                    help="attribute: bisect the steps (default) or fork at every step")  # fmt: skip
     p.add_argument("--max-episodes", type=_positive(int), help="attribute: at most N episodes")
+    p.add_argument("--from-states", action="store_true",
+                   help="compare: replay both runs' agents from the same snapshots along A's "
+                   "episodes (paired by state)")  # fmt: skip
+    p.add_argument("--depths", default="0,0.5",
+                   help="compare --from-states: where along each episode, as fractions (0,0.5)")
 
 
 def _protocols_table() -> str:
@@ -133,12 +138,39 @@ def _compare(args: argparse.Namespace) -> int:
 
     if len(args.runs) != 2:
         raise OptionError("usage: branchgym eval compare RUN_A RUN_B [--force] [--out FILE]")
+    if args.from_states:
+        return _compare_from_states(args)
     result = compare_runs(args.runs[0], args.runs[1], force=args.force)
     text = compare_markdown(result)
     print(text, end="")
     if args.out:
         Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
         print(f"comparison written to {args.out}")
+    return 0
+
+
+def _compare_from_states(args: argparse.Namespace) -> int:
+    from branchgym.evaluation.from_states import compare_from_states
+
+    try:
+        depths = tuple(float(x) for x in args.depths.split(","))
+    except ValueError as exc:
+        raise OptionError(f"--depths takes fractions like 0,0.5; got {args.depths!r}") from exc
+    res = compare_from_states(
+        args.runs[0], args.runs[1], depths=depths, forks=args.forks,
+        max_episodes=args.max_episodes, seed=args.seed, progress=not args.no_progress,
+    )  # fmt: skip
+    d, a, b = res["a_minus_b"], res["a_from_states"], res["b_from_states"]
+    print(
+        f"{res['a']} (A) vs {res['b']} (B) from {res['states']} states of A's episodes "
+        f"(depths {res['depths']}, {res['forks']} forks each):\n"
+        f"  A {a['mean']:.3f} [{a['low']:.3f}, {a['high']:.3f}], "
+        f"B {b['mean']:.3f} [{b['low']:.3f}, {b['high']:.3f}]\n"
+        f"  A - B, paired by state: {d['mean']:+.3f} [{d['low']:+.3f}, {d['high']:+.3f}]\n"
+        f"  env steps: A {res['env_steps']['a']}, B {res['env_steps']['b']}"
+    )
+    if args.out:
+        Path(args.out).write_text(json.dumps(res, indent=2) + "\n")
     return 0
 
 

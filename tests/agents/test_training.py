@@ -776,4 +776,4 @@ def test_policy_names_are_the_registered_policy_kinds():
 
     assert tuple(POLICIES) == POLICY_NAMES
     with pytest.raises(TrainingConfigError, match="policy"):
-        TrainArgs(policy="sampling").check()
+        training.TrainArgs(policy="sampling").check()

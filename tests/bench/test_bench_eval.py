@@ -19,3 +19,15 @@ def test_bench_eval_measures_both_ways(tmp_path, capsys):
         data["plain"]["seconds"] / data["batched"]["seconds"]
     )
     assert "speed-up of branchgym eval over the plain loop" in capsys.readouterr().out
+
+
+@pytest.mark.slow
+def test_bench_eval_states_reports_both_widths(tmp_path, capsys):
+    argv = ["bench", "eval-states", "--envs", "webshop", "--tasks", "6", "--forks", "2",
+            "--out", str(tmp_path)]  # fmt: skip
+    assert main(argv) == 0
+    data = json.loads((tmp_path / "eval_states.json").read_text())
+    web = data["webshop"]
+    assert web["from_states"]["states"] == 12 and web["independent"]["env_steps"] > 0
+    assert web["se_ratio_equal_steps"] > 0
+    assert "SE ratio from-states / independent" in capsys.readouterr().out

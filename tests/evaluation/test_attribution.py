@@ -164,3 +164,23 @@ def test_forks_reseed_a_stochastic_env(tmp_path):
     first = res.values[0]
     assert 0 < first.successes < first.forks  # a shared draw would give all or none
     assert np.isclose(first.value, first.successes / 40)
+
+
+def test_compare_from_states_pairs_two_agents_on_the_same_snapshots(tmp_path, capsys):
+    from branchgym.cli import main
+
+    base = ["eval", "branchgym/TextTreeMDP-v0", "--tasks", "10", "--no-progress"]
+    assert main([*base, "--agent", "expert", "--out", str(tmp_path / "a")]) == 0
+    assert main([*base, "--agent", "random", "--out", str(tmp_path / "b")]) == 0
+    capsys.readouterr()
+    out = tmp_path / "states.json"
+    argv = ["eval", "compare", str(tmp_path / "a"), str(tmp_path / "b"), "--from-states",
+            "--forks", "6", "--depths", "0,0.5", "--no-progress", "--out", str(out)]  # fmt: skip
+    assert main(argv) == 0
+    assert "paired by state" in capsys.readouterr().out
+    res = json.loads(out.read_text())
+    assert res["states"] == 20  # 10 episodes x 2 depths (depth 0.5 of 3 steps is step 1)
+    d = res["a_minus_b"]
+    assert d["mean"] > 0 and d["low"] <= d["mean"] <= d["high"]
+    assert d["mean"] == pytest.approx(res["a_from_states"]["mean"] - res["b_from_states"]["mean"])
+    assert res["env_steps"]["a"] > 0 and res["env_steps"]["b"] > 0

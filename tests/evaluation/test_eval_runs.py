@@ -17,7 +17,8 @@ from branchgym.error import DataError, OptionError
 from branchgym.evaluation.agents import make_agent, predictions_agent
 from branchgym.evaluation.compare import compare_runs
 from branchgym.evaluation.protocols import get_protocol
-from branchgym.evaluation.runner import OUTCOMES, EvalOptions, read_episodes, run_eval
+from branchgym.evaluation.runner import EvalOptions, read_episodes, run_eval
+from branchgym.evaluation.summary import OUTCOMES
 from branchgym.tree_format import load_trees
 
 ROOT = Path(__file__).resolve().parents[2]
