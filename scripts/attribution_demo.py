@@ -44,7 +44,7 @@ def main() -> None:
     attribute_run(out / "webshop-slip", forks=args.forks, agent=slip, progress=False)
     print((out / "webshop-slip" / "attribution.md").read_text())
 
-    alf = get_protocol("alfworld-thor-unseen").resolve(tasks=min(args.tasks, 40))
+    alf = get_protocol("alfworld-thor-unseen").resolve(tasks=min(args.tasks, 20))
     noisy = Agent("planner with random actions (p 0.3)", "expert", None,
                   faulty_expert(alf.env_id, 0.3), {"kind": "faulty", "slip": 0.3})
     run_eval(alf, noisy, out / "alfworld-noisy", EvalOptions(progress=False))
