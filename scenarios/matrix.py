@@ -202,7 +202,7 @@ def run_matrix(
 
 def render_matrix(rows: Sequence[Row]) -> str:
     """The matrix as a markdown table with a summary line."""
-    from branchgym.bench.common import markdown_table
+    from branchgym.tables import markdown_table
 
     table = markdown_table(
         ["scenario", "env", "expected", "mode", *CHECKS, "outcome"],

@@ -1,4 +1,7 @@
-"""Shared pieces of the ``branchgym bench`` studies: timing, tables, reports, plots."""
+"""Shared pieces of the ``branchgym bench`` studies: timing, reports, plots.
+
+Reports format their tables with :func:`branchgym.tables.markdown_table`.
+"""
 
 from __future__ import annotations
 
@@ -14,12 +17,13 @@ from typing import Any
 
 import numpy as np
 
+from branchgym.tables import markdown_table
+
 __all__ = [
     "positive_int",
     "seed_int",
     "Timing",
     "time_calls",
-    "markdown_table",
     "Report",
     "machine_line",
 ]
@@ -75,21 +79,6 @@ def time_calls(fn: Callable[[], Any], n: int, *, warmup: int = 1) -> tuple[Timin
         out.append(fn())
         secs.append(time.perf_counter() - t0)
     return Timing.of(secs), out
-
-
-def markdown_table(headers: Sequence[str], rows: Iterable[Sequence[Any]]) -> str:
-    """A GitHub markdown table; floats get 3 significant decimals."""
-
-    def fmt(v: Any) -> str:
-        if isinstance(v, float):
-            if np.isnan(v):
-                return "n/a"
-            return f"{v:.3f}" if abs(v) < 100 else f"{v:.1f}"
-        return str(v)
-
-    lines = ["| " + " | ".join(headers) + " |", "|" + "---|" * len(headers)]
-    lines += ["| " + " | ".join(fmt(v) for v in row) + " |" for row in rows]
-    return "\n".join(lines)
 
 
 def machine_line() -> str:

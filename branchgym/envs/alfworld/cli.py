@@ -95,9 +95,9 @@ def _solve(args: argparse.Namespace) -> int:
     import gymnasium as gym
     from tqdm import tqdm
 
-    from branchgym.bench.common import markdown_table
     from branchgym.envs.alfworld.expert import solve
     from branchgym.envs.alfworld.handcoded import play
+    from branchgym.tables import markdown_table
 
     handcoded = args.expert == "handcoded"
     max_steps = args.max_steps or (50 if handcoded else 100)
@@ -204,10 +204,10 @@ def _handcoded_success(problems: str) -> tuple[float, float]:
 
 
 def _stats(args: argparse.Namespace) -> int:
-    from branchgym.bench.common import markdown_table
     from branchgym.envs.alfworld import floorplans
     from branchgym.envs.alfworld.problems import load_problems
     from branchgym.envs.alfworld.tasks import TASK_TYPES, THOR_SPLITS
+    from branchgym.tables import markdown_table
 
     rooms = ("Kitchen", "LivingRoom", "Bedroom", "Bathroom")
     rows = []
