@@ -42,8 +42,9 @@ from branchgym.rollout.executor_base import (
     DEFAULT_TIMEOUT,
     Call,
     CallTimeout,
-    # agents/ (mid-move to subpackages in another change) still imports EnvRecipe from
-    # here: it is to import it from executor_base, and this name to go, once that lands.
+    # Not used here: agents/training/{setup,evaluation}.py and tests/envs/swebench/
+    # (other owners' files) still import EnvRecipe from this module. Point them at
+    # executor_base, then drop this name.
     EnvRecipe,  # noqa: F401
     EnvWorker,
     Executor,
