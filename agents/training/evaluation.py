@@ -29,7 +29,7 @@ import numpy as np
 
 import branchgym
 from branchgym.error import TrainingConfigError
-from branchgym.rollout.executors import EnvRecipe, Executor
+from branchgym.rollout.executor_base import EnvRecipe, Executor
 from branchgym.rollout.grow import group_rollouts
 from branchgym.rollout.policy import Context, Turn
 from branchgym.rollout.tree import success_of

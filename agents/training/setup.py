@@ -47,7 +47,8 @@ from branchgym.agents.training.options import (
 from branchgym.agents.training.policy_kinds import POLICIES
 from branchgym.agents.training.sinks import Sinks, open_sinks
 from branchgym.error import CheckpointError, DependencyMissingError, TrainingConfigError
-from branchgym.rollout.executors import EnvRecipe, make_executor
+from branchgym.rollout.executor_base import EnvRecipe
+from branchgym.rollout.executors import make_executor
 
 try:
     import torch

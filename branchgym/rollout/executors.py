@@ -42,10 +42,6 @@ from branchgym.rollout.executor_base import (
     DEFAULT_TIMEOUT,
     Call,
     CallTimeout,
-    # Not used here: agents/training/{setup,evaluation}.py and tests/envs/swebench/
-    # (other owners' files) still import EnvRecipe from this module. Point them at
-    # executor_base, then drop this name.
-    EnvRecipe,  # noqa: F401
     EnvWorker,
     Executor,
 )

@@ -15,11 +15,8 @@ from branchgym.agents.policies.policy import TextPolicy
 from branchgym.envs.swebench.layers import wait_for_cleanup
 from branchgym.envs.swebench.mounts import list_local_mounts, work_root
 from branchgym.error import SandboxError
-from branchgym.rollout.executors import (
-    EnvRecipe,
-    InProcessExecutor,
-    ThreadExecutor,
-)
+from branchgym.rollout.executor_base import EnvRecipe
+from branchgym.rollout.executors import InProcessExecutor, ThreadExecutor
 from branchgym.rollout.grow import grow_tree
 from branchgym.rollout.process import ProcessExecutor
 
