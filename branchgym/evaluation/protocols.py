@@ -296,35 +296,26 @@ PROTOCOLS: dict[str, Protocol] = {
             "PaLM-540B prompting) 66.6 / 40.0 %"
         ),
     ),
-    "alfworld-thor-seen": Protocol(
-        name="alfworld-thor-seen",
-        version=1,
-        env_id="branchgym/ALFWorld-v0",
-        env_kwargs={"problems": "thor_seen"},
-        max_steps=50,
-        metric="success",
-        category_key="task_type",
-        list_tasks=_alfworld_tasks,
-        data_digest=_alfworld_digest,
-        description="ALFWorld's 140 seen games on AI2-THOR floor plans, 50 steps: success",
-        published=(
-            "ReAct (Yao et al. 2023, PaLM-540B prompting) 71 % on the 134 unseen games, "
-            "against 37 % for ALFWorld's BUTLER agent in the same table"
-        ),
-    ),
-    "alfworld-thor-unseen": Protocol(
-        name="alfworld-thor-unseen",
-        version=1,
-        env_id="branchgym/ALFWorld-v0",
-        env_kwargs={"problems": "thor_unseen"},
-        max_steps=50,
-        metric="success",
-        category_key="task_type",
-        list_tasks=_alfworld_tasks,
-        data_digest=_alfworld_digest,
-        description="ALFWorld's 134 unseen games on AI2-THOR floor plans, 50 steps: success",
-        published="as alfworld-thor-seen",
-    ),
+    **{
+        f"alfworld-thor-{split}": Protocol(
+            name=f"alfworld-thor-{split}",
+            version=1,
+            env_id="branchgym/ALFWorld-v0",
+            env_kwargs={"problems": f"thor_{split}"},
+            max_steps=50,
+            metric="success",
+            category_key="task_type",
+            list_tasks=_alfworld_tasks,
+            data_digest=_alfworld_digest,
+            description=f"ALFWorld's {games} {split} games on AI2-THOR floor plans, 50 steps: "
+            "success",
+            published=(
+                "ReAct (Yao et al. 2023, PaLM-540B prompting) 71 % on the 134 unseen games, "
+                "against 37 % for ALFWorld's BUTLER agent in the same table"
+            ),
+        )
+        for split, games in (("seen", 140), ("unseen", 134))
+    },
     "swebench-realistic": Protocol(
         name="swebench-realistic",
         version=1,
