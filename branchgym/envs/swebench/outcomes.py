@@ -172,17 +172,23 @@ for _rel in _TRUST.get("at_load") or ():  # the test patch did not apply to a te
         pass
 _SOURCES = {}
 _INDEX = {}
+_VERIFIED = {}
+_RELS = {}
+_BINDERS = {}
 _CONFIG = []
 
 
 def _rel(filename):
     """``filename`` relative to the work tree, or None outside it."""
-    if not filename or filename.startswith("<"):
-        return None
-    path = _os.path.realpath(_os.path.join(_ROOT, filename))
-    if path == _ROOT or not path.startswith(_ROOT + _os.sep):
-        return None
-    return path[len(_ROOT) + 1 :]
+    if filename in _RELS:
+        return _RELS[filename]
+    out = None
+    if filename and not filename.startswith("<"):
+        path = _os.path.realpath(_os.path.join(_ROOT, filename))
+        if path != _ROOT and path.startswith(_ROOT + _os.sep):
+            out = path[len(_ROOT) + 1 :]
+    _RELS[filename] = out
+    return out
 
 
 def _trusted_bytes(rel):
@@ -249,6 +255,8 @@ def _index(rel):
 def _trusted_code(code):
     """Why ``code`` is not compiled from a trusted file as it is ("" when it is, or is
     library code outside the work tree)."""
+    if _VERIFIED.get(id(code)) is code:
+        return ""
     rel = _rel(code.co_filename)
     if rel is None:
         return ""
@@ -258,6 +266,7 @@ def _trusted_code(code):
             return f"{code.co_name} comes from {rel}, which the patch changed or added"
         return f"{code.co_name} comes from {rel}, which is not as the task brought it"
     if any(known == code for known in index.get((code.co_name, code.co_firstlineno), ())):
+        _VERIFIED[id(code)] = code  # code objects do not change: once is enough
         return ""
     return f"{code.co_name} ({rel}:{code.co_firstlineno}) is not the code {rel} compiles to"
 
@@ -345,7 +354,9 @@ def _binders(body, out):
 
 def _check_namespace(ns, body, rel, where, owner=""):
     """The module's (or class ``owner``'s) functions and classes are the trusted source's."""
-    last = _binders(body, {})
+    if id(body) not in _BINDERS:  # the trees are cached: their bodies live on
+        _BINDERS[id(body)] = _binders(body, {})
+    last = _BINDERS[id(body)]
     for node in body:
         if last.get(getattr(node, "name", None)) is not node:
             continue
@@ -427,41 +438,40 @@ _KINDS = (_FunctionType, classmethod, staticmethod, property, type, _types.Built
 
 
 def _framework():
-    """(module, attribute) -> (object, its code) for the framework's functions and classes."""
+    """The framework's functions and classes as found now.
+
+    Returns ``{(module, attribute): (namespace, name, object, its code)}`` (the namespace
+    is the live module or class dict, so a check is one lookup), ``{(module, class):
+    (class, size of its dict)}`` and ``{module name: module}``.
+    """
     out = {}
     classes = {}
+    modules = {}
     for name in _MODULES:
         try:
             module = _importlib.import_module(name)
         except Exception:
             continue
+        modules[name] = module
         items = vars(module).items()
         if name == "builtins":
             items = [(k, getattr(module, k)) for k in _BUILTINS if hasattr(module, k)]
         for attr, value in list(items):
             if (name, attr) in _MUTABLE or not _isinstance(value, _KINDS):
                 continue
-            out[(name, attr)] = (value, getattr(value, "__code__", None))
+            out[(name, attr)] = (vars(module), attr, value, getattr(value, "__code__", None))
             if (
                 _isinstance(value, type)
                 and name != "builtins"
                 and getattr(value, "__module__", "") == name
             ):
-                classes[(name, attr)] = value
-                for sub, inner in list(vars(value).items()):
+                space = vars(value)
+                classes[(name, attr)] = (value, len(space))
+                for sub, inner in list(space.items()):
                     if _isinstance(inner, _KINDS):
-                        out[(name, attr + "." + sub)] = (inner, getattr(inner, "__code__", None))
-    return out, classes
-
-
-def _current(key):
-    if key[0] == "builtins":
-        value = getattr(_builtins, key[1], None)
-    else:
-        value = _sys.modules.get(key[0])
-        for part in key[1].split("."):
-            value = getattr(value, "__dict__", {}).get(part)
-    return value, getattr(value, "__code__", None)
+                        code = getattr(inner, "__code__", None)
+                        out[(name, attr + "." + sub)] = (space, sub, inner, code)
+    return out, classes, modules
 
 
 def _flag(kind, what):
@@ -470,16 +480,48 @@ def _flag(kind, what):
         _emit(event="tamper", kind=kind, what=what)
 
 
-def _compare(frame, additions):
-    """Flag what changed since ``frame``; ``additions``: new attributes pytest may add."""
-    for key, (obj, code) in frame.items():
-        value, now = _current(key)
-        if value is not obj or now is not code:
-            _flag("pytest" if key[0] != "unittest.case" else "tests",
-                  f"{key[0]}.{key[1]} was replaced")
-    for key, klass in _CLASSES.items():
-        for sub, inner in list(vars(klass).items()):
-            if not _isinstance(inner, _KINDS) or (key[0], key[1] + "." + sub) in frame:
+def _fast(frame):
+    """The snapshot as flat lists (namespaces, names, objects; and for functions, codes)."""
+    flat = ([], [], [], [], [], [])
+    for space, attr, obj, code in frame.values():
+        flat[0].append(space)
+        flat[1].append(attr)
+        flat[2].append(obj)
+        if code is not None:
+            flat[3].append(space)
+            flat[4].append(attr)
+            flat[5].append(code)
+    return flat
+
+
+def _unchanged(spaces, names, objs, fspaces, fnames, codes):
+    # Identity, compared in C (map, operator.is_): no __eq__ of a replacement is called.
+    try:
+        return all(map(_is, map(_getitem, spaces, names), objs)) and all(
+            map(_is, map(_code_of, map(_getitem, fspaces, fnames)), codes)
+        )
+    except (KeyError, AttributeError):
+        return False
+
+
+def _compare(additions):
+    """Flag what changed since the last snapshot; ``additions``: new attributes pytest's
+    own classes may get (while pytest configures itself)."""
+    if not _unchanged(*_GROUPS):
+        for key, (space, attr, obj, code) in _FRAMEWORK.items():
+            value = space.get(attr)
+            if value is not obj or (code is not None and value.__code__ is not code):
+                _flag("pytest" if key[0] != "unittest.case" else "tests",
+                      f"{key[0]}.{key[1]} was replaced")
+    for name, module in _LOADED.items():
+        if _sys.modules.get(name) is not module:
+            _flag("pytest", f"the module {name} was replaced in sys.modules")
+    for key, (klass, size) in _CLASSES.items():
+        space = vars(klass)
+        if len(space) == size:
+            continue
+        for sub, inner in list(space.items()):
+            if not _isinstance(inner, _KINDS) or (key[0], key[1] + "." + sub) in _FRAMEWORK:
                 continue
             if additions and key[0].startswith("_pytest."):
                 continue
@@ -561,9 +603,13 @@ _FLAGGED = set()
 # Taken as the plugin loads (before any conftest, test module or code under test), and
 # again when the session starts: pytest's own plugins add attributes to its classes
 # while configuring (legacypath's fspath, startdir...), nothing may replace one.
-_FRAMEWORK, _CLASSES = _framework()
+_is = __import__("operator").is_
+_getitem = __import__("operator").getitem
+_code_of = __import__("operator").attrgetter("__code__")
+_FRAMEWORK, _CLASSES, _LOADED = _framework()
+_GROUPS = _fast(_FRAMEWORK)
 _HOOKS = _hooks()
-_FUNCS = {id(v) for v, _ in _FRAMEWORK.values() if _isinstance(v, _FunctionType)}
+_FUNCS = {id(v[2]) for v in _FRAMEWORK.values() if _isinstance(v[2], _FunctionType)}
 _BUSY = [False]
 _AUDITED = frozenset({
     "sys.settrace", "sys.setprofile", "object.__setattr__", "sys.monitoring.register_callback",
@@ -630,7 +676,7 @@ class _Recorder:
         _flag("equal", what)
 
     def _tampered(self):
-        _compare(_FRAMEWORK, False)
+        _compare(False)
         pm = self.config.pluginmanager
         for hook in _SENSITIVE:
             caller = getattr(pm.hook, hook, None)
@@ -688,11 +734,12 @@ class _Recorder:
 
     @_pytest_mod.hookimpl(trylast=True)
     def pytest_sessionstart(self, session):
-        global _FRAMEWORK
+        global _FRAMEWORK, _CLASSES, _LOADED, _GROUPS
         self.known = {id(p) for p in self.config.pluginmanager.get_plugins()}
-        _compare(_FRAMEWORK, True)
-        _FRAMEWORK, _ = _framework()
-        _FUNCS.update(id(v) for v, _ in _FRAMEWORK.values() if _isinstance(v, _FunctionType))
+        _compare(True)
+        _FRAMEWORK, _CLASSES, _LOADED = _framework()
+        _GROUPS = _fast(_FRAMEWORK)
+        _FUNCS.update(id(v[2]) for v in _FRAMEWORK.values() if _isinstance(v[2], _FunctionType))
         _emit(event="start")
 
     def pytest_collection_finish(self, session):
