@@ -663,6 +663,43 @@ _OWNER = []
 _emit(event="load", pid=_os.getpid(), trusted=len(_BLOBS))
 
 
+_SKIP_MARKS = ("skip", "skipif", "xfail")
+_OUTCOMES = tuple(
+    c
+    for c in (
+        getattr(_pytest_mod.skip, "Exception", None),
+        getattr(_pytest_mod.xfail, "Exception", None),
+        __import__("unittest").SkipTest,
+    )
+    if c is not None
+)
+
+
+def _marks(item):
+    """What can make ``item`` skip or xfail without failing: its markers, unittest's flags."""
+    out = []
+    for mark in item.iter_markers():
+        if mark.name in _SKIP_MARKS:
+            out.append((mark.name, repr(mark.args)[:300], repr(sorted(mark.kwargs.items()))[:300]))
+    for owner in (getattr(item, "obj", None), getattr(item, "cls", None)):
+        for flag in ("__unittest_skip__", "__unittest_expecting_failure__"):
+            value = getattr(owner, flag, None) if owner is not None else None
+            if value:
+                out.append((flag, repr(value)[:50], ""))
+    return tuple(out)
+
+
+def _who_raised(excinfo):
+    """The innermost frame of the work tree (not this plugin) in ``excinfo``'s traceback."""
+    tb, where = excinfo.tb, None
+    while tb is not None:
+        rel = _rel(tb.tb_frame.f_code.co_filename)
+        if rel is not None and rel != _SELF:
+            where = (rel, tb.tb_lineno)
+        tb = tb.tb_next
+    return where
+
+
 class _Recorder:
     def __init__(self, config):
         self.config = config
@@ -700,6 +737,8 @@ class _Recorder:
 
     def _check_items(self, items):
         for item in items:
+            if _marks(item) != getattr(self, "marks", {}).get(item.nodeid, _marks(item)):
+                self.flag("tests", f"{item.nodeid}: its skip or xfail markers changed")
             for attr, value in list(vars(item).items()):
                 if callable(value) and any(
                     _isinstance(k.__dict__.get(attr), _FunctionType) for k in type(item).__mro__
@@ -751,6 +790,7 @@ class _Recorder:
             for hook in _SENSITIVE
             if getattr(pm.hook, hook, None) is not None
         }
+        self.marks = {item.nodeid: _marks(item) for item in self.items}
         _STATE.append(self)
         self._check(self.items)
 
@@ -761,6 +801,28 @@ class _Recorder:
     @_pytest_mod.hookimpl(tryfirst=True)
     def pytest_runtest_call(self, item):
         self._check([item])
+
+    @_pytest_mod.hookimpl(hookwrapper=True)
+    def pytest_runtest_makereport(self, item, call):
+        # A skip or an xfail (which FAIL_TO_PASS counts as a pass, and PASS_TO_PASS a
+        # skip as kept) must come from the task's tests: a marker they had when
+        # collected, or pytest.skip/xfail called from trusted code.
+        outcome = yield
+        rep = outcome.get_result()
+        xfail = hasattr(rep, "wasxfail")
+        if not (rep.skipped or xfail):
+            return
+        kind = "xfailed" if xfail else "skipped"
+        excinfo = call.excinfo
+        if excinfo is not None and _isinstance(excinfo.value, _OUTCOMES):
+            where = _who_raised(excinfo)
+            if where is not None and not _trusted_file(where[0]):
+                self.flag("tests", f"{item.nodeid} was {kind} by {where[0]}:{where[1]}")
+        elif xfail and not any(
+            m[0] in ("xfail", "__unittest_expecting_failure__")
+            for m in getattr(self, "marks", {}).get(item.nodeid, ())
+        ):
+            self.flag("tests", f"{item.nodeid} is reported xfailed with no xfail marker of its own")
 
     def pytest_assertion_pass(self, item, lineno, orig, expl):
         # The operands of a plain assert pytest rewrote: its temporaries and the names in it.

@@ -367,3 +367,18 @@ def test_an_object_that_equals_anything_is_flagged_where_it_passed(tmp_path):
     )
     rec, log, record = _run(tmp_path, UNITTEST_TESTS, tamper=valued)
     assert outcomes.check(record, _task(), _parse(log), _parse, key=rec.key) == "", record
+
+
+def test_a_skip_or_xfail_must_come_from_the_tasks_tests(tmp_path):
+    # TESTS has a skip and an xfail marker of its own: those stand (the first run above).
+    xfail = _helper(
+        """
+        import pytest
+        def value():
+            pytest.xfail("known issue")
+        """
+    )
+    rec, log, record = _run(tmp_path, UNITTEST_TESTS, tamper=xfail)
+    assert "XFAIL test_t.py::test_plain" in log  # what upstream counts as a pass
+    why = outcomes.check(record, _task(), _parse(log), _parse, key=rec.key)
+    assert "test_t.py::test_plain was xfailed by helper.py:4" in why, why
