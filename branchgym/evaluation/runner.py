@@ -172,6 +172,11 @@ def read_episodes(path: Path) -> dict[tuple[str, int], dict[str, Any]]:
     return out
 
 
+def _byte_policy(nodes: list[Any]) -> bool:
+    """Scripted experts record text without tokens; they generate none."""
+    return all(n.text == str(n.action) for n in nodes)
+
+
 def _tree_name(task: str, attempt: int) -> str:
     return re.sub(r"[^\w.-]", "_", task) + f"__a{attempt}.json.gz"
 
@@ -218,7 +223,14 @@ def episode_record(
         "reward": reward,
         "steps": len(nodes),
         "invalid_actions": invalid,
-        "generated_tokens": int(sum(n.token_ids.size for n in nodes)),
+        # an endpoint returns text, not token ids: its tokens are counted run-wide
+        # (summary cost.endpoint_usage), never guessed per episode
+        "generated_tokens": (
+            None
+            if any(n.text for n in nodes) and not any(n.token_ids.size for n in nodes)
+            and not _byte_policy(nodes)
+            else int(sum(n.token_ids.size for n in nodes))
+        ),
         "seconds": round(seconds, 3),
         "retries": retries,
         "error": error,
@@ -535,6 +547,10 @@ def run_eval(
         bar.close()
     episodes = read_episodes(out / "episodes.jsonl")
     summary = summarise(run_doc, list(episodes.values()))
+    usage = getattr(agent.policy, "usage", None)
+    if isinstance(usage, dict) and usage.get("requests"):
+        # this session's requests (a resumed run's earlier sessions are not in it)
+        summary["cost"]["endpoint_usage"] = dict(usage)
     _write_json(out / "summary.json", summary)
     (out / "report.md").write_text(report_markdown(summary))
     return summary

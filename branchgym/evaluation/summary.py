@@ -48,7 +48,7 @@ def summarise(run_doc: dict[str, Any], episodes: list[dict[str, Any]]) -> dict[s
         },
         "cost": {
             "env_steps": sum(r["steps"] for r in episodes),
-            "generated_tokens": sum(r["generated_tokens"] for r in episodes),
+            "generated_tokens": sum(r["generated_tokens"] or 0 for r in episodes),
             "episode_seconds": round(sum(r["seconds"] for r in episodes), 1),
         },
         "metrics": {},
@@ -149,6 +149,12 @@ def report_markdown(summary: dict[str, Any]) -> str:
         + f"; {c['retried']} retried after an infrastructure error; {c['invalid_actions']} "
         "invalid actions. Scores leave out infrastructure errors.",
         f"Cost: {summary['cost']['env_steps']} env steps, "
-        f"{summary['cost']['generated_tokens']} generated tokens.",
+        f"{summary['cost']['generated_tokens']} generated tokens"
+        + (
+            f" ({summary['cost']['endpoint_usage']['completion_tokens']:.0f} completion tokens "
+            "by the endpoint's own count)."
+            if "endpoint_usage" in summary["cost"]
+            else "."
+        ),
     ]
     return "\n".join(lines) + "\n"

@@ -330,3 +330,23 @@ def test_swebench_predictions_are_graded_with_the_defences_on(tmp_path):
     assert s["swebench"] == {"total": 3, "submitted": 2, "completed": 2, "resolved": 1,
                              "unresolved": 1, "empty_patch": 1, "error": 0}  # fmt: skip
     assert s["protocol"]["deviations"]  # a subset of the realistic tasks
+
+
+@pytest.mark.slow
+def test_branchgym_eval_through_a_real_endpoint(tmp_path, smollm2_server, capsys):
+    """The CLI's endpoint path end to end: vLLM serving SmolLM2 on loopback."""
+    out = tmp_path / "endpoint"
+    server = smollm2_server
+    argv = ["eval", "branchgym/WebShop-v0", "--agent", server.base_url, "--model", server.model,
+            "--temperature", "1.0", "--max-tokens", "48", "--tasks", "3", "--max-steps", "3",
+            "--max-requests", "4", "--no-progress", "--out", str(out)]  # fmt: skip
+    assert main(argv) == 0
+    s = json.loads((out / "summary.json").read_text())
+    assert s["complete"] and s["counts"]["episodes"] == 3
+    assert s["agent"]["config"]["model"] == smollm2_server.model
+    assert s["agent"]["config"]["sampling"] == {"temperature": 1.0, "max_tokens": 48}
+    usage = s["cost"]["endpoint_usage"]
+    assert usage["requests"] == s["cost"]["env_steps"] and usage["completion_tokens"] > 0
+    eps = read_episodes(out / "episodes.jsonl")
+    assert all(e["generated_tokens"] is None for e in eps.values())  # counted run-wide
+    assert "completion tokens by the endpoint's own count" in (out / "report.md").read_text()
