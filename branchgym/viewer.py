@@ -136,6 +136,24 @@ def tree_view(tree: RolloutTree) -> dict[str, Any]:
             "snapshots taken": s.snapshots_taken,
             "wall s": _num(s.wall_s),
         },
+        # branchgym eval attribute's trees: V(s_t) along the episode and the decisive step
+        "attribution": _attribution(tree.meta.get("attribution")),
+    }
+
+
+def _attribution(meta: Any) -> dict[str, Any] | None:
+    if not isinstance(meta, dict):
+        return None
+    values = [
+        [int(v[0]), _num(v[1]), _num(v[2]), _num(v[3]), int(v[4])]
+        for v in meta.get("values", [])
+        if isinstance(v, list | tuple) and len(v) == 5
+    ]
+    decisive = meta.get("decisive")
+    return {
+        "values": values,
+        "decisive": int(decisive) if isinstance(decisive, int) else None,
+        "statement": _text(meta.get("statement")),
     }
 
 

@@ -107,6 +107,8 @@ class Attribution:
         statement: One sentence: what was found, and how sure.
         cost: Env steps, generated tokens and forks spent.
         naive_cost: What forking K times at every step costs (measured or estimated).
+        tree: The episode with its forks as branches (:func:`_fork_tree`), for
+            ``branchgym view``.
     """
 
     task: str
@@ -121,10 +123,16 @@ class Attribution:
     statement: str
     cost: dict[str, int]
     naive_cost: dict[str, Any]
+    tree: RolloutTree | None = dataclasses.field(default=None, repr=False)
 
     def to_dict(self) -> dict[str, Any]:
-        """JSON-ready fields (each value with its estimate)."""
-        d = dataclasses.asdict(self)
+        """JSON-ready fields (each value with its estimate; the fork tree is saved apart)."""
+        tree, self.tree = self.tree, None
+        try:
+            d = dataclasses.asdict(self)
+        finally:
+            self.tree = tree
+        d.pop("tree")
         for v, sv in zip(d["values"], self.values, strict=True):
             v["value"] = sv.value
         return d
@@ -277,8 +285,13 @@ def forks_from(
     envs: list[Any],
     max_steps: int,
     rng: np.random.Generator,
-) -> tuple[int, int, int]:
-    """K forks of the agent from ``s_t``: ``(successes, env steps, generated tokens)``."""
+) -> tuple[int, int, int, list[list[dict[str, Any]]]]:
+    """K forks of the agent from ``s_t``.
+
+    Returns:
+        Successes, env steps, generated tokens, and each fork's decisions (as
+        :meth:`RolloutTree.add_path` takes them).
+    """
     import branchgym
 
     while len(envs) < k:
@@ -291,6 +304,7 @@ def forks_from(
         branchgym.reseed(env, int(rng.integers(2**63)))
         line = {"env": env, "ctx": ep.context(t), "info": dict(info), "total": prefix,
                 "done": False, "ok": False, "rng": np.random.default_rng(rng.integers(2**63)),
+                "path": [],
                 "act": agent.expert(env, rng) if agent.policy is None else None}  # fmt: skip
         lines.append(line)
     steps = tokens = 0
@@ -306,20 +320,34 @@ def forks_from(
         for ln, sample in zip(live, samples, strict=True):
             if sample is None:
                 action = ln["act"](ln["ctx"].current_observation, ln["info"])
-                text, ids = str(action), ()
+                text, ids, lps, ents = str(action), (), (), ()
             else:
                 action, text = sample.action, sample.text
                 ids = tuple(int(x) for x in sample.token_ids)
+                lps, ents = sample.logprobs, sample.entropies
                 tokens += len(ids)
             obs, reward, term, trunc, info = ln["env"].step(action)
             steps += 1
             ln["total"] += float(reward)
             ln["info"] = dict(info)
             ln["ctx"] = ln["ctx"].extend(Turn(text, ids, action, obs, dict(info)))
-            if term or trunc or step + 1 >= max_steps:
+            cut = bool(trunc) or step + 1 >= max_steps
+            ln["path"].append({
+                "action": action, "text": text, "token_ids": ids, "logprobs": lps,
+                "entropies": ents, "observation": obs,
+                "reward": float(reward), "terminated": bool(term),
+                "truncated": cut and not term, "info": _small_info(info),
+            })  # fmt: skip
+            if term or cut:
                 ln["done"] = True
                 ln["ok"] = _succeeded(info, ln["total"])
-    return sum(1 for ln in lines if ln["ok"]), steps, tokens
+    paths = [ln["path"] for ln in lines]
+    return sum(1 for ln in lines if ln["ok"]), steps, tokens, paths
+
+
+def _small_info(info: dict[str, Any]) -> dict[str, Any]:
+    keep = ("won", "success", "resolved", "invalid_action", "node", "page")
+    return {k: info[k] for k in keep if k in info and isinstance(info[k], bool | int | str)}
 
 
 def attribute_episode(
@@ -365,10 +393,13 @@ def attribute_episode(
         success = bool(T) and _succeeded(ep.nodes[-1].info or {}, sum(ep.rewards))
         measured: dict[int, StepValue] = {T: StepValue(T, int(success), 0, float(success),
                                                        float(success))}  # fmt: skip
+        fork_paths: dict[int, list[list[dict[str, Any]]]] = {}
 
         def value(t: int) -> StepValue:
             if t not in measured:
-                s, steps, toks = forks_from(ep, t, forks, agent, make_env, envs, max_steps, rng)
+                s, steps, toks, paths = forks_from(ep, t, forks, agent, make_env, envs,
+                                                   max_steps, rng)  # fmt: skip
+                fork_paths[t] = paths
                 lo, hi = _interval(s, forks, confidence)
                 measured[t] = StepValue(t, s, forks, lo, hi, steps, toks)
             return measured[t]
@@ -433,13 +464,61 @@ def attribute_episode(
                 f"significant at {alpha:g}"
                 + (" (the episode succeeded)" if success else "")
             )
-        return Attribution(task, attempt, success, T, values, decisive, drop, p_best, action,
-                           statement, cost, naive)  # fmt: skip
+        res = Attribution(task, attempt, success, T, values, decisive, drop, p_best, action,
+                          statement, cost, naive)  # fmt: skip
+        res.tree = _fork_tree(ep, measured, fork_paths, res)
+        return res
     finally:
         for env in envs:
             env.close()
         ep.close()
 
+
+
+def _fork_tree(
+    ep: Episode,
+    measured: dict[int, StepValue],
+    fork_paths: dict[int, list[list[dict[str, Any]]]],
+    res: Attribution,
+) -> RolloutTree:
+    """The episode as the backbone, each state's forks as branches from it.
+
+    The backbone's action at step ``t`` carries ``V(s_{t+1}) - V(s_t)`` as its advantage
+    (its effect on the chance of success), where both ends were measured, so
+    ``branchgym view`` colours the decisive action; ``meta`` holds the value curve.
+    """
+    from branchgym.rollout.tree import ROOT
+
+    tree = RolloutTree(ep.tree.env_id, ep.tree.seed, ep.tree.observation, ep.infos[0])
+    backbone = tree.add_path(ROOT, [
+        {"action": n.action, "text": n.text, "token_ids": n.token_ids, "logprobs": n.logprobs,
+         "entropies": n.entropies, "observation": n.observation, "reward": n.reward,
+         "terminated": n.terminated, "truncated": n.truncated, "info": dict(n.info or {}),
+         "sibling": 1 if i in fork_paths else 0}
+        for i, n in enumerate(ep.nodes)
+    ])  # fmt: skip
+    rollout = 1
+    for t, paths in sorted(fork_paths.items()):
+        parent = ROOT if t == 0 else backbone[t - 1].id
+        for j, path in enumerate(paths):
+            if not path:
+                continue
+            nodes = tree.add_path(parent, [{**d, "rollout": rollout} for d in path])
+            nodes[0].sibling = j + 2
+            rollout += 1
+    adv = {
+        backbone[t].id: measured[t + 1].value - measured[t].value
+        for t in range(len(backbone))
+        if t in measured and t + 1 in measured
+    }
+    tree.meta["advantages"] = adv
+    tree.meta["attribution"] = {
+        "values": [[v.step, v.value, v.low, v.high, v.forks] for v in sorted(
+            measured.values(), key=lambda v: v.step)],
+        "decisive": res.decisive,
+        "statement": res.statement,
+    }  # fmt: skip
+    return tree
 
 
 # ---------------------------------------------------------------- a run
@@ -538,9 +617,16 @@ def attribute_run(
         results.append(res)
         bar.set_postfix_str("no step" if res.decisive is None else f"step {res.decisive}")
     report = _run_report(run_doc, results, forks=forks, mode=mode, alpha=alpha)
+    from branchgym.tree_format import save_trees
+
     with open(run_dir / "attribution.jsonl", "w") as fh:
         for res in results:
             fh.write(json.dumps(res.to_dict(), default=str) + "\n")
+            if res.tree is not None:
+                name = Path(next(r["tree"] for r in chosen if r["task"] == res.task
+                                 and r["attempt"] == res.attempt)).name  # fmt: skip
+                save_trees(run_dir / "attribution" / name, [res.tree],
+                           algo="attribution", task=res.task, attempt=res.attempt)  # fmt: skip
     (run_dir / "attribution.md").write_text(_markdown(report, results))
     if results:
         _plot(results, run_dir / "attribution.png", proto["env_id"])

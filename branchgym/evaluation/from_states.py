@@ -89,7 +89,7 @@ def compare_from_states(
                         continue
                     key = f"{rec['task']}#{rec['attempt']}@{t}"
                     for name, agent, out in (("a", agent_a, va), ("b", agent_b, vb)):
-                        s, n_steps, _ = forks_from(ep, t, forks, agent, make_env, envs,
+                        s, n_steps, _, _ = forks_from(ep, t, forks, agent, make_env, envs,
                                                proto["max_steps"], rng)  # fmt: skip
                         out[key] = s / forks
                         steps[name] += n_steps

@@ -225,6 +225,42 @@
     bit("tokens saved", tree.stats["tokens saved"] === null ? "–" : (100 * tree.stats["tokens saved"]).toFixed(1) + " %");
     bit("snapshot/restore ms", fmt(tree.stats["snapshot ms"], 2) + " / " + fmt(tree.stats["restore ms"], 2));
     if (step.meta && step.meta.algo) bit("algo", step.meta.algo);
+    if (tree.attribution) valueCurve(s, tree.attribution);
+  }
+
+  // V(s_t) along an attributed episode: points with their intervals, decisive step red
+  function valueCurve(parent, att) {
+    const vals = att.values.filter((v) => v[1] !== null);
+    if (!vals.length) return;
+    const W = 360, H = 110, L = 34, B = 22, T = 8, R = 10;
+    const last = Math.max(1, vals[vals.length - 1][0]);
+    const x = (t) => L + (W - L - R) * t / last, y = (v) => T + (H - T - B) * (1 - v);
+    const g = sv("svg", { width: W, height: H, class: "value-curve", role: "img",
+      "aria-label": "value along the episode" });
+    if (att.decisive !== null) {
+      g.appendChild(sv("rect", { x: x(att.decisive), y: T, width: x(att.decisive + 1) - x(att.decisive),
+        height: H - T - B, class: "decisive-band" }));
+    }
+    for (const v of [0, 0.5, 1]) {
+      g.appendChild(sv("line", { x1: L, x2: W - R, y1: y(v), y2: y(v), class: "vc-grid" }));
+      g.appendChild(sv("text", { x: L - 4, y: y(v) + 3, class: "vc-label", "text-anchor": "end" }, v.toFixed(1)));
+    }
+    for (const v of vals) {
+      g.appendChild(sv("line", { x1: x(v[0]), x2: x(v[0]), y1: y(v[2]), y2: y(v[3]), class: "vc-ci" }));
+    }
+    g.appendChild(sv("polyline", { points: vals.map((v) => x(v[0]) + "," + y(v[1])).join(" "),
+      class: "vc-line" }));
+    for (const v of vals) {
+      g.appendChild(sv("circle", { cx: x(v[0]), cy: y(v[1]), r: 3.2, class: v[4] ? "vc-point" : "vc-outcome" },
+        undefined)).appendChild(sv("title", {}, "step " + v[0] + ": V " + fmt(v[1]) +
+          (v[4] ? " [" + fmt(v[2]) + ", " + fmt(v[3]) + "] from " + v[4] + " forks" : " (the outcome)")));
+    }
+    g.appendChild(sv("text", { x: (L + W - R) / 2, y: H - 4, class: "vc-label", "text-anchor": "middle" },
+      "step t: V(s_t), the chance of success from there"));
+    const box = el("div", { class: "value-box" });
+    box.appendChild(g);
+    box.appendChild(el("p", { class: "value-statement" }, att.statement));
+    parent.appendChild(box);
   }
 
   // ------------------------------------------------------------------ pan and zoom

@@ -184,3 +184,24 @@ def test_compare_from_states_pairs_two_agents_on_the_same_snapshots(tmp_path, ca
     assert d["mean"] > 0 and d["low"] <= d["mean"] <= d["high"]
     assert d["mean"] == pytest.approx(res["a_from_states"]["mean"] - res["b_from_states"]["mean"])
     assert res["env_steps"]["a"] > 0 and res["env_steps"]["b"] > 0
+
+
+def test_attribution_trees_show_forks_as_branches_and_the_value_curve_in_view(tmp_path):
+    from branchgym.viewer import render_html, tree_view
+
+    proto = get_protocol("texttree-ci").resolve(tasks=6)
+    run_eval(proto, make_agent("random", proto.env_id), tmp_path, EvalOptions(progress=False))
+    attribute_run(tmp_path, forks=6, episodes="all", mode="all", progress=False)
+    files = sorted((tmp_path / "attribution").glob("*.json.gz"))
+    assert len(files) == 6
+    (tree,) = load_trees(files[0])
+    view = tree_view(tree)
+    att = view["attribution"]
+    assert [v[0] for v in att["values"]] == list(range(len(tree.backbone) + 1))
+    # every measured state is a branch point with its 6 forks beside the episode's action
+    assert len(view["branch_points"]) == len(tree.backbone)
+    assert all(b["k"] == 7 for b in view["branch_points"])
+    backbone_adv = [n["advantage"] for n in view["nodes"] if n["backbone"]]
+    values = [v[1] for v in att["values"]]
+    assert backbone_adv == pytest.approx([b - a for a, b in zip(values, values[1:])])
+    assert "valueCurve" in render_html(files[0])
