@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import zlib
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -386,7 +387,9 @@ def attribute_episode(
     if forks < 2:
         raise OptionError(f"forks must be at least 2 (K forks estimate V), got {forks}")
     ep = Episode(tree, make_env, options)
-    rng = np.random.default_rng([seed, 0xA77])
+    # each episode's forks draw their own streams: estimates of different episodes are
+    # independent, and one episode's are the same whatever else is attributed
+    rng = np.random.default_rng([seed, zlib.crc32(task.encode()), attempt, 0xA77])
     envs: list[Any] = []
     try:
         T = len(ep.nodes)
