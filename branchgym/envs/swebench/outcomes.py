@@ -31,7 +31,7 @@ log only when that record is complete and agrees with it:
   the objects, with the code, they were when the plugin loaded; no trace or profile
   function may appear (``sys.settrace``, ``setprofile``, ``threading``'s, ``sys.monitoring``);
   a collected item may not carry its own ``runtest``. This is checked when collection
-  ends, before each test's setup and call, and when the session ends; an audit hook
+  ends, before each test's call (its fixtures set up), and when the session ends; an audit hook
   also records, as it happens, every ``sys.settrace``/``setprofile`` call and every
   change to a test's or the framework's function code made while code the grader does
   not trust (a file the patch changed or added) is on the stack;
@@ -175,6 +175,7 @@ _INDEX = {}
 _VERIFIED = {}
 _RELS = {}
 _BINDERS = {}
+_NAMES = {}
 _CONFIG = []
 
 
@@ -736,8 +737,9 @@ class _Recorder:
                 self.flag("pytest", f"an implementation of {hook} was removed during the session")
 
     def _check_items(self, items):
+        collected = getattr(self, "marks", {})
         for item in items:
-            if _marks(item) != getattr(self, "marks", {}).get(item.nodeid, _marks(item)):
+            if item.nodeid in collected and _marks(item) != collected[item.nodeid]:
                 self.flag("tests", f"{item.nodeid}: its skip or xfail markers changed")
             for attr, value in list(vars(item).items()):
                 if callable(value) and any(
@@ -795,11 +797,9 @@ class _Recorder:
         self._check(self.items)
 
     @_pytest_mod.hookimpl(tryfirst=True)
-    def pytest_runtest_setup(self, item):
-        self._check([item])
-
-    @_pytest_mod.hookimpl(tryfirst=True)
     def pytest_runtest_call(self, item):
+        # Before each test's body runs (its fixtures set up): what changed during the
+        # tests before it, or during its setup.
         self._check([item])
 
     @_pytest_mod.hookimpl(hookwrapper=True)
@@ -832,10 +832,13 @@ class _Recorder:
         if frame is None:
             return
         values = [v for k, v in frame.f_locals.items() if k.startswith("@py_assert")]
-        try:
-            names = {n.id for n in _ast.walk(_ast.parse(orig)) if _isinstance(n, _ast.Name)}
-        except SyntaxError:
-            names = set()
+        names = _NAMES.get(orig)
+        if names is None:
+            try:
+                tree = _ast.parse(orig)
+                names = _NAMES[orig] = {n.id for n in _ast.walk(tree) if _isinstance(n, _ast.Name)}
+            except SyntaxError:
+                names = _NAMES[orig] = set()
         values += [frame.f_locals[n] for n in names if n in frame.f_locals]
         for value in values:
             what = _accepts_anything(value)
