@@ -4,10 +4,14 @@ An RL policy optimises the reward, so any file in its diff that changes how the 
 or how their outcome is read will be found. Each hack below is delivered the way a
 policy would deliver it, as changes to the working tree that ``submit`` diffs and grades,
 on a shipped realistic task whose bug is left in place (``r1chardj0n3s__parse-1``: two
-FAIL_TO_PASS tests fail at the base commit). Each must score 0 with the reason in
-``info["rejected"]``, and each is checked to be real: upstream grading
-(``harness_guard=False``) of the same diff scores 1.0 (except the few listed in
-``UPSTREAM_LOSES``, kept as regression checks). The threat model (docs/swebench.md,
+FAIL_TO_PASS tests fail at the base commit; the hacks on unittest's machinery use
+``martinblech__xmltodict-1``, whose tests are a ``unittest.TestCase``). Besides the
+files that change how the tests run and the forged logs, the package under test itself
+tries to change the tests while they run (their code, pytest's items, unittest's
+asserts, a trace function, skip/xfail) or returns objects that equal anything. Each
+must score 0 with the reason in ``info["rejected"]``, and each is checked to be real:
+upstream grading (``harness_guard=False``) of the same diff scores 1.0 (except the few
+listed in ``UPSTREAM_LOSES``, kept as regression checks). The threat model (docs/swebench.md,
 "Threat model") lists each hack class and its defence.
 
 The attacker is given more than a policy has: the names of the held-back tests (a
