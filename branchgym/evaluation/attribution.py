@@ -15,10 +15,15 @@ taken there is the decisive one.
 * ``mode="bisect"`` spends the budget where it matters: V at the first state and the
   known final outcome, then bisection into the half with the larger drop, so about
   ``log2(T)`` states are forked instead of T; it finds a step where V falls, the largest
-  when V falls once (as along a single unrecoverable mistake). ``mode="all"`` forks at
-  every step and takes the largest significant drop. Both report their cost in env steps
-  and generated tokens, and bisection reports what forking at every step would have cost
-  (measured in ``all`` mode, estimated from the forks it ran otherwise);
+  when V falls once (as along a single unrecoverable mistake). When the bisection ends on
+  a pair whose drop is not significant (its choice of half followed noise), it forks at
+  every step after all. ``mode="all"`` forks at every step and takes the largest
+  significant drop. Both report their cost in env steps and generated tokens, and
+  bisection reports what forking at every step would have cost (measured in ``all``
+  mode, estimated from the forks it ran otherwise);
+* a drop picked among T adjacent pairs may be noise, so the decisive step must
+  **replicate**: both of its states are forked again with fresh streams, and the fresh
+  forks alone must show the drop (p < ``alpha``); the reported values pool both batches;
 * :func:`attribute_run` runs it over a ``branchgym eval`` run's failed (or all) episodes
   and groups the decisive steps by kind of action (:func:`action_kind`).
 
@@ -144,6 +149,13 @@ def _interval(successes: int, n: int, confidence: float) -> tuple[float, float]:
 
     ci = stats.binomtest(successes, n).proportion_ci(confidence, method="exact")
     return float(ci.low), float(ci.high)
+
+
+def _pool(a: StepValue, b: StepValue, confidence: float) -> StepValue:
+    """Two independent fork batches of one state as one estimate."""
+    s, n = a.successes + b.successes, a.forks + b.forks
+    lo, hi = _interval(s, n, confidence)
+    return StepValue(a.step, s, n, lo, hi, a.env_steps + b.env_steps, a.tokens + b.tokens)
 
 
 def _drop_p(a: StepValue, b: StepValue) -> float:
@@ -398,6 +410,11 @@ def attribute_episode(
                                                        float(success))}  # fmt: skip
         fork_paths: dict[int, list[list[dict[str, Any]]]] = {}
 
+        def _fresh(t: int) -> StepValue:
+            s, steps_, toks, _ = forks_from(ep, t, forks, agent, make_env, envs, max_steps, rng)
+            lo_, hi_ = _interval(s, forks, confidence)
+            return StepValue(t, s, forks, lo_, hi_, steps_, toks)
+
         def value(t: int) -> StepValue:
             if t not in measured:
                 s, steps, toks, paths = forks_from(ep, t, forks, agent, make_env, envs,
@@ -425,21 +442,50 @@ def attribute_episode(
                 lo, hi = (lo, mid) if left >= right else (mid, hi)
         for t in steps_to_fork:
             value(t)
-        decisive = drop = p_best = None
+
+        def candidate() -> tuple[int, float, float] | None:
+            best = None
+            for a in sorted(measured):
+                if a + 1 not in measured or success:  # a won episode was not lost anywhere
+                    continue
+                p = _drop_p(measured[a], measured[a + 1])
+                d = measured[a].value - measured[a + 1].value
+                if p < alpha and (best is None or d > best[1]):
+                    best = (a, d, p)
+            return best
+
+        found = candidate()
+        if found is None and mode == "bisect" and T and not success:
+            for t in range(T):  # bisection followed noise: measure every step after all
+                value(t)
+            found = candidate()
+        decisive = drop = p_best = p_rep = None
+        replicated: list[StepValue] = []
+        if found is not None:
+            # confirm with fresh forks at both ends: a drop seen once among T adjacent pairs
+            # may be noise; an independent replication must show it too
+            a = found[0]
+            rep = [_fresh(a)] + ([_fresh(a + 1)] if a + 1 < T else [measured[a + 1]])
+            replicated = [v for v in rep if v.forks]
+            p_rep = _drop_p(rep[0], rep[1])
+            if p_rep < alpha:
+                measured[a] = _pool(measured[a], rep[0], confidence)
+                if rep[1].forks:
+                    measured[a + 1] = _pool(measured[a + 1], rep[1], confidence)
+                decisive, p_best = a, found[2]
+                drop = measured[a].value - measured[a + 1].value
         steps = sorted(measured)
-        for a, b in zip(steps, steps[1:], strict=False):
-            if b != a + 1 or success:  # a won episode was not lost anywhere
-                continue
-            p = _drop_p(measured[a], measured[b])
-            d = measured[a].value - measured[b].value
-            if p < alpha and (drop is None or d > drop):
-                decisive, drop, p_best = a, d, p
         values = [measured[t] for t in steps]
-        cost = {
+        cost = {  # pooled values include the replication's forks
             "forks": sum(v.forks for v in values),
             "env_steps": sum(v.env_steps for v in values),
             "tokens": sum(v.tokens for v in values),
         }
+        if decisive is None:  # a replication that failed still cost its forks
+            for v in replicated:
+                cost["forks"] += v.forks
+                cost["env_steps"] += v.env_steps
+                cost["tokens"] += v.tokens
         if mode == "all":
             naive = {"forks": cost["forks"], "env_steps": cost["env_steps"],
                      "tokens": cost["tokens"], "measured": True}  # fmt: skip
@@ -459,7 +505,13 @@ def attribute_episode(
                 f"lost at step {decisive} ({action['kind']}: {str(node.action)[:60]}): V falls "
                 f"from {a.value:.2f} [{a.low:.2f}, {a.high:.2f}] to {b.value:.2f}"
                 + (f" [{b.low:.2f}, {b.high:.2f}]" if b.forks else " (the outcome)")
-                + f", one-sided Fisher p = {p_best:.2g}"
+                + f", one-sided Fisher p = {p_best:.2g}, replicated with fresh forks "
+                f"(p = {p_rep:.2g})"
+            )
+        elif found is not None:
+            statement = (
+                f"no decisive step: the drop after step {found[0]} (p = {found[2]:.2g}) did "
+                f"not replicate with fresh forks (p = {p_rep:.2g})"
             )
         else:
             statement = (
