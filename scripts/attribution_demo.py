@@ -5,7 +5,7 @@
 WebShop: the shopper, except that at step 2 (an item page) it buys at once with
 probability 0.5, before choosing the options the goal names: an unrecoverable mistake.
 Its failed episodes should be attributed to step 2 (a purchase). ALFWorld: the planner,
-except that it takes a random admissible action with probability 0.3 at every step; its
+except that it takes a random admissible action with probability 0.7 at every step; its
 failed episodes are attributed to wherever V fell. Prints each run's attribution report
 (``branchgym eval attribute``'s), and writes the run folders with their value-curve plots.
 """
@@ -45,8 +45,8 @@ def main() -> None:
     print((out / "webshop-slip" / "attribution.md").read_text())
 
     alf = get_protocol("alfworld-thor-unseen").resolve(tasks=min(args.tasks, 20))
-    noisy = Agent("planner with random actions (p 0.3)", "expert", None,
-                  faulty_expert(alf.env_id, 0.3), {"kind": "faulty", "slip": 0.3})
+    noisy = Agent("planner with random actions (p 0.7)", "expert", None,
+                  faulty_expert(alf.env_id, 0.7), {"kind": "faulty", "slip": 0.7})
     run_eval(alf, noisy, out / "alfworld-noisy", EvalOptions(progress=False))
     attribute_run(out / "alfworld-noisy", forks=args.forks // 2, agent=noisy, progress=False)
     print((out / "alfworld-noisy" / "attribution.md").read_text())
