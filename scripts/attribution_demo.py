@@ -28,9 +28,17 @@ def main() -> None:
     p.add_argument("--out", default="results/attribution")
     p.add_argument("--tasks", type=int, default=60)
     p.add_argument("--forks", type=int, default=16)
+    p.add_argument("--envs", default="webshop,alfworld", help="which experiments")
     args = p.parse_args()
     out = Path(args.out)
+    if "webshop" in args.envs:
+        webshop(out, args)
+    if "alfworld" in args.envs:
+        alfworld(out, args)
 
+
+def webshop(out: Path, args: argparse.Namespace) -> None:
+    """The shopper that buys early at step 2."""
     web = get_protocol("webshop-test").resolve(tasks=args.tasks)
     run_eval(web, make_agent("expert", web.env_id), out / "webshop-expert",
              EvalOptions(progress=False, resume=(out / "webshop-expert/run.json").exists()))
@@ -44,6 +52,9 @@ def main() -> None:
     attribute_run(out / "webshop-slip", forks=args.forks, agent=slip, progress=False)
     print((out / "webshop-slip" / "attribution.md").read_text())
 
+
+def alfworld(out: Path, args: argparse.Namespace) -> None:
+    """The planner that takes random actions."""
     alf = get_protocol("alfworld-thor-unseen").resolve(tasks=min(args.tasks, 20))
     noisy = Agent("planner with random actions (p 0.7)", "expert", None,
                   faulty_expert(alf.env_id, 0.7), {"kind": "faulty", "slip": 0.7})
