@@ -203,5 +203,5 @@ def test_attribution_trees_show_forks_as_branches_and_the_value_curve_in_view(tm
     assert all(b["k"] == 7 for b in view["branch_points"])
     backbone_adv = [n["advantage"] for n in view["nodes"] if n["backbone"]]
     values = [v[1] for v in att["values"]]
-    assert backbone_adv == pytest.approx([b - a for a, b in zip(values, values[1:])])
+    assert backbone_adv == pytest.approx([b - a for a, b in zip(values, values[1:], strict=False)])
     assert "valueCurve" in render_html(files[0])
