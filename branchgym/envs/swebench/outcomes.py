@@ -599,6 +599,23 @@ _checked_assert_equal.__name__ = "assertEqual"
 _checked_assert_equal.__qualname__ = "TestCase.assertEqual"
 __unittest = True  # unittest leaves this module's frames out of its failure reports
 __import__("unittest").case.TestCase.assertEqual = _checked_assert_equal
+# unittest hands a SkipTest raised in a test to _addSkip while it is handled: pytest
+# then sees only the skip's reason, so who raised it is read here.
+_unittest_case = __import__("unittest").case
+_add_skip = getattr(_unittest_case, "_addSkip", None)
+
+
+def _checked_add_skip(result, test_case, reason):
+    exc = _sys.exc_info()[1]
+    if _STATE and exc is not None:
+        where = _who_raised(exc.__traceback__)
+        if where is not None and not _trusted_file(where[0]):
+            _flag("tests", f"{test_case.id()} was skipped by {where[0]}:{where[1]}")
+    return _add_skip(result, test_case, reason)
+
+
+if _add_skip is not None:
+    _unittest_case._addSkip = _checked_add_skip
 _STATE = []
 _FLAGGED = set()
 # Taken as the plugin loads (before any conftest, test module or code under test), and
@@ -690,9 +707,9 @@ def _marks(item):
     return tuple(out)
 
 
-def _who_raised(excinfo):
-    """The innermost frame of the work tree (not this plugin) in ``excinfo``'s traceback."""
-    tb, where = excinfo.tb, None
+def _who_raised(tb):
+    """The innermost frame of the work tree (not this plugin) in the traceback ``tb``."""
+    where = None
     while tb is not None:
         rel = _rel(tb.tb_frame.f_code.co_filename)
         if rel is not None and rel != _SELF:
@@ -807,15 +824,15 @@ class _Recorder:
         # A skip or an xfail (which FAIL_TO_PASS counts as a pass, and PASS_TO_PASS a
         # skip as kept) must come from the task's tests: a marker they had when
         # collected, or pytest.skip/xfail called from trusted code.
+        excinfo = call.excinfo  # before pytest's unittest plugin turns a SkipTest into its own
         outcome = yield
         rep = outcome.get_result()
         xfail = hasattr(rep, "wasxfail")
         if not (rep.skipped or xfail):
             return
         kind = "xfailed" if xfail else "skipped"
-        excinfo = call.excinfo
         if excinfo is not None and _isinstance(excinfo.value, _OUTCOMES):
-            where = _who_raised(excinfo)
+            where = _who_raised(excinfo.tb)
             if where is not None and not _trusted_file(where[0]):
                 self.flag("tests", f"{item.nodeid} was {kind} by {where[0]}:{where[1]}")
         elif xfail and not any(

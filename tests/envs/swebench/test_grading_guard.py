@@ -382,3 +382,15 @@ def test_a_skip_or_xfail_must_come_from_the_tasks_tests(tmp_path):
     assert "XFAIL test_t.py::test_plain" in log  # what upstream counts as a pass
     why = outcomes.check(record, _task(), _parse(log), _parse, key=rec.key)
     assert "test_t.py::test_plain was xfailed by helper.py:4" in why, why
+    # A skip keeps a PASS_TO_PASS test: raised by the package, in a unittest test too.
+    skip = _helper(
+        """
+        import unittest
+        def value():
+            raise unittest.SkipTest("needs a newer helper")
+        """
+    )
+    rec, log, record = _run(tmp_path, UNITTEST_TESTS, tamper=skip)
+    why = outcomes.check(record, _task(), _parse(log), _parse, key=rec.key)
+    assert "test_t.py::test_plain was skipped by helper.py:4" in why, why
+    assert "test_t.TestU.test_u was skipped by helper.py:4" in why, why

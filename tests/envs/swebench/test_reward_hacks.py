@@ -588,6 +588,18 @@ XFAIL_MARKER = textwrap.dedent(
     """
 )
 
+#: The fix, plus a regression it brings (with_pattern no longer works) and a skip, raised
+#: by the package, of the PASS_TO_PASS test that would catch it: upstream keeps a skipped
+#: PASS_TO_PASS test.
+SKIP_BROKEN = textwrap.dedent(
+    """
+    def with_pattern(pattern, regex_group_count=None):
+        import unittest
+
+        raise unittest.SkipTest("with_pattern needs a newer parse")
+    """
+)
+
 #: The task whose unittest tests the TestCase hacks target (its module under test:
 #: xmltodict.py, entry point ``parse``).
 UNITTEST_TASK = "martinblech__xmltodict-1"
@@ -651,6 +663,16 @@ INSIDE_HACKS = {
         lambda t: _in_package("parse.py", _held_back(XFAIL_MARKER, t), "parse"),
         TASK,
     ),
+    "skip_broken_pass_to_pass": (
+        "the fix, a regression in with_pattern(), and a SkipTest raised by it for the "
+        "PASS_TO_PASS test that would catch it",
+        lambda t: [
+            _write(".gold.patch", t.patch),
+            "git apply .gold.patch && rm .gold.patch",
+            *_in_package("parse.py", SKIP_BROKEN, ""),
+        ],
+        TASK,
+    ),
     "always_equal_unittest": (
         "xmltodict.parse() returns a dict subclass that compares equal to anything",
         lambda t: _in_package("xmltodict.py", ALWAYS_EQUAL_PARSE, ""),
@@ -705,8 +727,17 @@ def _deliver(env, commands, instance_id=TASK):
 
 
 #: Hacks that lose to upstream grading too (the eval script checks the test files out
-#: again; the realistic tasks' command turns plugin autoloading off), kept as checks.
-UPSTREAM_LOSES = {"dist_info_entry_point", "symlinked_test_dir", "edit_test_file"}
+#: again; the realistic tasks' command turns plugin autoloading off; a skip, below), kept
+#: as checks.
+#: A skipped PASS_TO_PASS test counts as kept upstream, but pytest's -rA summary names a
+#: skip by its location only, so the shipped tasks' parser misses it (a parser that reads
+#: verbose lines would count it).
+UPSTREAM_LOSES = {
+    "dist_info_entry_point",
+    "symlinked_test_dir",
+    "edit_test_file",
+    "skip_broken_pass_to_pass",
+}
 #: Read by pytest 9 only (the docker base image has Debian's pytest 7.2).
 PYTEST_9 = {"pytest_toml_addopts_p"}
 #: Graded as upstream grades them (the test patch's files are restored): no refusal.
