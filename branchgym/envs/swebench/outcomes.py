@@ -831,11 +831,12 @@ class _Recorder:
         if not (rep.skipped or xfail):
             return
         kind = "xfailed" if xfail else "skipped"
+        where = None
         if excinfo is not None and _isinstance(excinfo.value, _OUTCOMES):
-            where = _who_raised(excinfo.tb)
+            where = _who_raised(excinfo.tb)  # None: raised by pytest or unittest themselves
             if where is not None and not _trusted_file(where[0]):
                 self.flag("tests", f"{item.nodeid} was {kind} by {where[0]}:{where[1]}")
-        elif xfail and not any(
+        if where is None and xfail and not any(
             m[0] in ("xfail", "__unittest_expecting_failure__")
             for m in getattr(self, "marks", {}).get(item.nodeid, ())
         ):

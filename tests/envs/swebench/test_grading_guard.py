@@ -370,7 +370,23 @@ def test_an_object_that_equals_anything_is_flagged_where_it_passed(tmp_path):
 
 
 def test_a_skip_or_xfail_must_come_from_the_tasks_tests(tmp_path):
-    # TESTS has a skip and an xfail marker of its own: those stand (the first run above).
+    # TESTS has a skip and an xfail marker of its own: those stand (the first run above),
+    # and so do unittest's expected failures and skips of the test's own.
+    own = textwrap.dedent(
+        """
+        class TestOwn(unittest.TestCase):
+            @unittest.expectedFailure
+            def test_expected(self):
+                self.assertEqual(1, 2)
+
+            def test_skips(self):
+                self.skipTest("not here")
+        """
+    )
+    honest = _helper("def value():\n    return 2\n")
+    rec, log, record = _run(tmp_path, UNITTEST_TESTS + own, tamper=honest)
+    assert "XFAIL test_t.py::TestOwn::test_expected" in log, log
+    assert outcomes.check(record, _task(), _parse(log), _parse, key=rec.key) == "", record
     xfail = _helper(
         """
         import pytest
