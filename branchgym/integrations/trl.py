@@ -285,8 +285,10 @@ class BranchingGRPOTrainer(GRPOTrainer):
             zero-argument factory returning the env.
         env_kwargs: Keyword arguments of ``gym.make`` for an env id.
         branching: Tree and estimator options (default: ``bpo``'s).
-        args: TRL's ``GRPOConfig``; ``temperature`` must be 1 (the trees sample at 1)
-            and ``use_vllm`` off (the trainer's model samples).
+        args: TRL's ``GRPOConfig``; ``temperature`` must be 1 and ``top_p``, ``top_k``,
+            ``min_p`` and ``repetition_penalty`` off (the trees sample the whole distribution
+            at temperature 1, refused with a typed error otherwise), and ``use_vllm`` off
+            (the trainer's model samples).
         train_dataset: Rows with an integer ``seed`` column (default :func:`reset_seeds`).
         processing_class: The model's tokenizer.
         prompt: A :class:`~branchgym.agents.policies.prompts.PromptBuilder` (default: the one
@@ -322,6 +324,23 @@ class BranchingGRPOTrainer(GRPOTrainer):
                 raise TrainingConfigError(
                     f"GRPOConfig.temperature={args.temperature}: the trees sample at temperature "
                     "1 (the distribution branchgym's losses treat as pi_old); set temperature=1.0."
+                )
+            truncated = {
+                name: value
+                for name, value, off in (
+                    ("top_p", getattr(args, "top_p", 1.0), (1.0, None)),
+                    ("top_k", getattr(args, "top_k", 0), (0, None)),
+                    ("min_p", getattr(args, "min_p", None), (None, 0.0)),
+                    ("repetition_penalty", getattr(args, "repetition_penalty", 1.0), (1.0, None)),
+                )
+                if value not in off
+            }
+            if truncated:
+                raise TrainingConfigError(
+                    f"GRPOConfig {truncated}: the trees sample the model's whole distribution "
+                    "(what branchgym's losses treat as pi_old, and the log-probs they record); "
+                    "a truncated or penalised sampler would train on another policy's samples. "
+                    "Set top_p=1.0, top_k=0, min_p=None and repetition_penalty=1.0."
                 )
             named = isinstance(model, str) or getattr(model.config, "_name_or_path", "")
             if args.beta != 0 and not named and kwargs.get("peft_config") is None:

@@ -149,6 +149,10 @@ def test_bad_options_are_typed_errors(tmp_path):
         bt.BranchingArgs(estimator="bpo-root", schedule="even").learner_args()
     with pytest.raises(TrainingConfigError, match="temperature"):
         trainer(tmp_path, temperature=0.7)
+    for option, value in (("top_p", 0.9), ("top_k", 20), ("min_p", 0.1),
+                          ("repetition_penalty", 1.1)):  # fmt: skip
+        with pytest.raises(TrainingConfigError, match=f"'{option}': {value}.*top_p=1.0"):
+            trainer(tmp_path, **{option: value})
     with pytest.raises(TrainingConfigError, match="KL reference"):
         trainer(tmp_path, beta=0.05)  # an in-memory model: no folder to load pi_ref from
     with pytest.raises(TrainingConfigError, match="integer 'seed' column"):
