@@ -91,8 +91,8 @@ def compare_runs(run_a: str | Path, run_b: str | Path, *, force: bool = False) -
         ma = task_means((e["task"], value(e)) for e in ea)
         mb = task_means((e["task"], value(e)) for e in eb)
         out["metrics"][metric] = {
-            "a": mean_interval(ma).to_dict(),
-            "b": mean_interval(mb).to_dict(),
+            "a": mean_interval(ma, rate=metric == "success").to_dict(),
+            "b": mean_interval(mb, rate=metric == "success").to_dict(),
             "a_minus_b": paired_difference(ma, mb).to_dict(),
         }
     sa_map = {(e["task"], e["attempt"]): bool(e["success"]) for e in ea}

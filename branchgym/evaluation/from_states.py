@@ -108,8 +108,8 @@ def compare_from_states(
         "states": len(va),
         "forks": forks,
         "depths": list(depths),
-        "a_from_states": mean_interval(va).to_dict(),
-        "b_from_states": mean_interval(vb).to_dict(),
+        "a_from_states": mean_interval(va, rate=True).to_dict(),
+        "b_from_states": mean_interval(vb, rate=True).to_dict(),
         "a_minus_b": diff.to_dict(),
         "env_steps": steps,
     }

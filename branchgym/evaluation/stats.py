@@ -2,7 +2,9 @@
 
 Every interval resamples *tasks*, the unit a benchmark samples: with K attempts per task
 the attempts of one task are averaged first, so the bootstrap (and the standard error) is
-clustered by task and K attempts never pass for K times the evidence. The resampling and
+clustered by task and K attempts never pass for K times the evidence. Where every task
+failed (or every task succeeded) resampling shows no uncertainty at all, so the interval
+is the exact (Clopper-Pearson) binomial one over the tasks instead. The resampling and
 the exact tests are scipy's (:func:`scipy.stats.bootstrap`, :func:`scipy.stats.binomtest`);
 ``tests/evaluation/test_stats.py`` checks the intervals' coverage on synthetic data with
 a known mean.
@@ -86,11 +88,20 @@ def task_means(values: Iterable[tuple[Hashable, float]]) -> dict[Hashable, float
     return {t: float(np.mean(v)) for t, v in sums.items()}
 
 
-def _percentile_bootstrap(x: np.ndarray, confidence: float, seed: int) -> tuple[float, float]:
+def _percentile_bootstrap(
+    x: np.ndarray, confidence: float, seed: int, rate: bool
+) -> tuple[float, float]:
     from scipy import stats
 
-    if x.size < 2 or np.all(x == x[0]):  # no spread: the interval is the point
-        return float(x.mean()), float(x.mean())
+    if x.size < 2 or np.all(x == x[0]):
+        if rate and x[0] in (0.0, 1.0):
+            # every task failed (or succeeded): resampling cannot show the uncertainty, the
+            # exact binomial interval over the tasks can (0 of 140 is not a rate of 0)
+            ci = stats.binomtest(int(x[0]) * x.size, x.size).proportion_ci(
+                confidence, method="exact"
+            )
+            return float(ci.low), float(ci.high)
+        return float(x.mean()), float(x.mean())  # no spread in a non-binary value
     res = stats.bootstrap(
         (x,),
         np.mean,
@@ -108,6 +119,7 @@ def mean_interval(
     *,
     confidence: float = CONFIDENCE,
     seed: int = 0,
+    rate: bool = False,
 ) -> Interval:
     """The mean over tasks with a bootstrap interval and a clustered standard error.
 
@@ -115,6 +127,8 @@ def mean_interval(
         per_task: Each task's value (its mean over attempts: :func:`task_means`).
         confidence: Two-sided level.
         seed: The bootstrap's seed (the same data give the same interval).
+        rate: The values are success rates in [0, 1]: when every task failed (or every
+            task succeeded) the interval is the exact binomial one over the tasks.
     """
     x = np.asarray(list(per_task.values()) if isinstance(per_task, Mapping) else per_task, float)
     if x.size == 0:
@@ -122,7 +136,7 @@ def mean_interval(
     if not np.all(np.isfinite(x)):
         raise ValueError("a task's value is not finite; check the episodes' rewards")
     se = float(x.std(ddof=1) / math.sqrt(x.size)) if x.size > 1 else float("nan")
-    low, high = _percentile_bootstrap(x, confidence, seed)
+    low, high = _percentile_bootstrap(x, confidence, seed, rate)
     return Interval(float(x.mean()), low, high, se, int(x.size), confidence)
 
 

@@ -56,7 +56,7 @@ def summarise(run_doc: dict[str, Any], episodes: list[dict[str, Any]]) -> dict[s
     if not scored:
         return summary
     succ = task_means((r["task"], float(r["success"])) for r in scored)
-    summary["metrics"]["success"] = mean_interval(succ).to_dict()
+    summary["metrics"]["success"] = mean_interval(succ, rate=True).to_dict()
     summary["metrics"]["return"] = mean_interval(
         task_means((r["task"], r["reward"]) for r in scored)
     ).to_dict()
@@ -85,7 +85,7 @@ def summarise(run_doc: dict[str, Any], episodes: list[dict[str, Any]]) -> dict[s
         for cat in sorted(cats):
             sub = task_means((r["task"], float(r["success"])) for r in scored
                              if r.get("category", "unknown") == cat)  # fmt: skip
-            table[cat] = mean_interval(sub).to_dict()
+            table[cat] = mean_interval(sub, rate=True).to_dict()
         summary["categories"] = table
     if proto["env_id"] == "branchgym/SWEBench-v0":
         sw = [r for r in episodes if "swebench" in r]

@@ -56,9 +56,17 @@ def test_clustered_interval_covers_when_tasks_differ_and_attempts_repeat():
     assert naive.high - naive.low < clustered.high - clustered.low
 
 
-def test_interval_of_constant_values_is_the_point_and_bad_values_are_refused():
-    iv = mean_interval([1.0] * 10)
-    assert (iv.mean, iv.low, iv.high, iv.se) == (1.0, 1.0, 1.0, 0.0)
+def test_constant_values_and_bad_values():
+    """All tasks failed: not a rate of exactly 0, but the exact binomial interval."""
+    assert mean_interval([0.0] * 140).high == 0.0  # not a rate (a difference, a score)
+    iv = mean_interval([0.0] * 140, rate=True)
+    assert iv.mean == 0.0 and iv.low == 0.0
+    assert iv.high == pytest.approx(sps.binomtest(0, 140).proportion_ci(0.95, "exact").high)
+    assert 0.02 < iv.high < 0.03
+    iv = mean_interval([1.0] * 20, rate=True)
+    assert iv.high == 1.0 and iv.low == pytest.approx(0.8316, abs=1e-3)
+    iv = mean_interval([0.5] * 10, rate=True)  # a constant rate short of 0 or 1: the point
+    assert (iv.mean, iv.low, iv.high, iv.se) == (0.5, 0.5, 0.5, 0.0)
     with pytest.raises(ValueError, match="no tasks"):
         mean_interval([])
     with pytest.raises(ValueError, match="not finite"):
