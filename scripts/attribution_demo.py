@@ -17,7 +17,7 @@ from pathlib import Path
 
 from branchgym.bench.eval_states import faulty_expert
 from branchgym.evaluation.agents import Agent, make_agent
-from branchgym.evaluation.attribution import attribute_run
+from branchgym.evaluation.attribution_run import attribute_run
 from branchgym.evaluation.protocols import get_protocol
 from branchgym.evaluation.runner import EvalOptions, read_episodes, run_eval
 

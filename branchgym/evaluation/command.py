@@ -175,7 +175,7 @@ def _compare_from_states(args: argparse.Namespace) -> int:
 
 
 def _attribute(args: argparse.Namespace) -> int:
-    from branchgym.evaluation.attribution import attribute_run
+    from branchgym.evaluation.attribution_run import attribute_run
 
     if len(args.runs) != 1:
         raise OptionError("usage: branchgym eval attribute RUN [--forks K] [--episodes failed]")

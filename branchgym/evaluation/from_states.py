@@ -17,7 +17,8 @@ from typing import Any
 import numpy as np
 
 from branchgym.error import OptionError
-from branchgym.evaluation.attribution import Episode, agent_from_run, check_forks, forks_from
+from branchgym.evaluation.attribution import Episode, check_forks, forks_from
+from branchgym.evaluation.attribution_run import agent_from_run
 
 __all__ = ["compare_from_states"]
 

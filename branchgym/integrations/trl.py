@@ -325,16 +325,9 @@ class BranchingGRPOTrainer(GRPOTrainer):
                     f"GRPOConfig.temperature={args.temperature}: the trees sample at temperature "
                     "1 (the distribution branchgym's losses treat as pi_old); set temperature=1.0."
                 )
-            truncated = {
-                name: value
-                for name, value, off in (
-                    ("top_p", getattr(args, "top_p", 1.0), (1.0, None)),
-                    ("top_k", getattr(args, "top_k", 0), (0, None)),
-                    ("min_p", getattr(args, "min_p", None), (None, 0.0)),
-                    ("repetition_penalty", getattr(args, "repetition_penalty", 1.0), (1.0, None)),
-                )
-                if value not in off
-            }
+            offs = {"top_p": (1.0,), "top_k": (0,), "min_p": (0.0,), "repetition_penalty": (1.0,)}
+            truncated = {k: getattr(args, k, None) for k in offs}
+            truncated = {k: v for k, v in truncated.items() if v not in (None, *offs[k])}
             if truncated:
                 raise TrainingConfigError(
                     f"GRPOConfig {truncated}: the trees sample the model's whole distribution "

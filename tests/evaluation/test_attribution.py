@@ -9,7 +9,8 @@ import pytest
 import branchgym
 from branchgym.error import FidelityViolation
 from branchgym.evaluation.agents import Agent, make_agent
-from branchgym.evaluation.attribution import action_kind, attribute_episode, attribute_run
+from branchgym.evaluation.attribution import action_kind, attribute_episode
+from branchgym.evaluation.attribution_run import attribute_run
 from branchgym.evaluation.protocols import get_protocol
 from branchgym.evaluation.runner import EvalOptions, read_episodes, run_eval
 from branchgym.tree_format import load_trees
@@ -125,7 +126,7 @@ def test_an_unfaithful_sandbox_is_refused_before_any_fork(tmp_path):
 
 def test_a_run_of_predictions_has_no_agent_to_fork(tmp_path):
     from branchgym.error import OptionError
-    from branchgym.evaluation.attribution import agent_from_run
+    from branchgym.evaluation.attribution_run import agent_from_run
 
     doc = {"agent": {"spec": "gold", "config": {"kind": "gold"}},
            "protocol": {"env_id": "branchgym/SWEBench-v0"}}  # fmt: skip
