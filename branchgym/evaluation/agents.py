@@ -31,7 +31,6 @@ in-process beside its env). :attr:`Agent.config` is what a resumed run must matc
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import importlib
 import json
 import os
@@ -41,6 +40,7 @@ from typing import Any
 
 import numpy as np
 
+from branchgym.digest import stable_hash
 from branchgym.error import OptionError
 from branchgym.rollout.policy import ActionSample, ActRequest, Policy
 
@@ -80,8 +80,7 @@ class Agent:
     @property
     def config_hash(self) -> str:
         """16 hex digits of :attr:`config`."""
-        text = json.dumps(self.config, sort_keys=True, default=str)
-        return hashlib.sha256(text.encode()).hexdigest()[:16]
+        return stable_hash(self.config, size=8)
 
 
 class FunctionPolicy:
@@ -158,7 +157,7 @@ def _folder_digest(folder: Path) -> str:
             parts.append((p.name, p.stat().st_size))
     cfg = folder / "config.json"
     text = cfg.read_text() if cfg.exists() else ""
-    return hashlib.sha256(json.dumps([parts, text]).encode()).hexdigest()[:16]
+    return stable_hash(parts, text, size=8)
 
 
 def _model_agent(spec: str, *, max_new_tokens: int, threads: int | None) -> Agent:
@@ -354,7 +353,7 @@ def predictions_agent(path: str | os.PathLike[str], task_ids: list[str]) -> Agen
         models.add(str(rec["model_name_or_path"]))
     if not preds:
         raise DataError(f"{file} holds no prediction")
-    digest = hashlib.sha256(file.read_bytes()).hexdigest()[:16]
+    digest = stable_hash(file.read_bytes(), size=8)
     config = {"kind": "predictions", "file": str(file.resolve()), "digest": digest,
               "models": sorted(models)}  # fmt: skip
     return Agent(f"predictions:{file.name}", "predictions", None, None, config, preds)
@@ -372,5 +371,5 @@ def gold_agent(env_kwargs: dict[str, Any], task_ids: list[str]) -> Agent:
     finally:
         env.close()
     preds = {t: patches[t] for t in task_ids}
-    digest = hashlib.sha256(json.dumps(preds, sort_keys=True).encode()).hexdigest()[:16]
+    digest = stable_hash(preds, size=8)
     return Agent("gold", "predictions", None, None, {"kind": "gold", "digest": digest}, preds)

@@ -24,11 +24,10 @@ The shipped protocols (:data:`PROTOCOLS`):
 from __future__ import annotations
 
 import dataclasses
-import hashlib
-import json
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from branchgym.digest import stable_hash
 from branchgym.error import OptionError
 
 __all__ = [
@@ -50,18 +49,13 @@ class Task:
     options: dict[str, Any] = dataclasses.field(default_factory=dict)
 
 
-def _digest(obj: Any) -> str:
-    text = json.dumps(obj, sort_keys=True, default=str, separators=(",", ":"))
-    return hashlib.sha256(text.encode()).hexdigest()
-
-
 def prompt_format(env_id: str) -> dict[str, str]:
     """The prompt builder a protocol's text agents use, and a digest of what it says."""
     from branchgym.agents.policies.prompts import prompt_for
 
     builder = prompt_for(env_id)
     text = {"system": builder.system_prompt(), "examples": builder.examples()}
-    return {"builder": type(builder).__name__, "digest": _digest(text)[:16]}
+    return {"builder": type(builder).__name__, "digest": stable_hash(text, size=8)}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -96,8 +90,8 @@ class PinnedProtocol:
 
     @property
     def hash(self) -> str:
-        """SHA-256 (16 hex digits) of task ids, data digest, step cap and prompt format."""
-        return _digest(
+        """16 hex digits of task ids, data digest, step cap and prompt format."""
+        return stable_hash(
             {
                 "name": self.name,
                 "version": self.version,
@@ -107,8 +101,9 @@ class PinnedProtocol:
                 "data": self.data_digest,
                 "prompt": self.prompt,
                 "metric": self.metric,
-            }
-        )[:16]
+            },
+            size=8,
+        )
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-ready description (task ids only; their options follow from the name)."""
@@ -243,7 +238,7 @@ def _webshop_tasks(env: Any) -> list[Task]:
 
 def _webshop_digest(env: Any) -> str:
     catalog = env.unwrapped.catalog
-    return _digest({"catalog": catalog.fingerprint, "test": list(catalog.split_range("test"))})
+    return stable_hash({"catalog": catalog.fingerprint, "test": list(catalog.split_range("test"))})
 
 
 def _alfworld_tasks(env: Any) -> list[Task]:
@@ -251,7 +246,7 @@ def _alfworld_tasks(env: Any) -> list[Task]:
 
 
 def _alfworld_digest(env: Any) -> str:
-    return _digest(
+    return stable_hash(
         [(p.name, p.task_type, p.pddl_problem, p.grammar) for p in env.unwrapped.problems]
     )
 
@@ -261,7 +256,7 @@ def _swebench_tasks(env: Any) -> list[Task]:
 
 
 def _swebench_digest(env: Any) -> str:
-    return _digest(
+    return stable_hash(
         [
             (t.instance_id, t.base_commit, t.test_patch, t.fail_to_pass, t.pass_to_pass)
             for t in env.unwrapped.tasks
@@ -274,7 +269,7 @@ def _texttree_tasks(env: Any) -> list[Task]:
 
 
 def _texttree_digest(env: Any) -> str:
-    return _digest({"maze": env.unwrapped.snapshot_identity()})
+    return stable_hash({"maze": env.unwrapped.snapshot_identity()})
 
 
 #: name -> protocol.
