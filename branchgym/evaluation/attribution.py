@@ -346,18 +346,13 @@ def forks_from(
                 "action": action, "text": text, "token_ids": ids, "logprobs": lps,
                 "entropies": ents, "observation": obs,
                 "reward": float(reward), "terminated": bool(term),
-                "truncated": cut and not term, "info": _small_info(info),
+                "truncated": cut and not term, "info": dict(info),
             })  # fmt: skip
             if term or cut:
                 ln["done"] = True
                 ln["ok"] = _succeeded(info, ln["total"])
     paths = [ln["path"] for ln in lines]
     return sum(1 for ln in lines if ln["ok"]), steps, tokens, paths
-
-
-def _small_info(info: dict[str, Any]) -> dict[str, Any]:
-    keep = ("won", "success", "resolved", "invalid_action", "node", "page")
-    return {k: info[k] for k in keep if k in info and isinstance(info[k], bool | int | str)}
 
 
 def attribute_episode(

@@ -279,6 +279,11 @@ class _Writer:
         self.fh.close()
 
 
+#: ``on_done(tree, task, attempt, seconds, error)``: each episode runner reports an episode
+#: as it ends (``error``: why it could not be played, ``infra: ...`` or ``agent: ...``).
+EpisodeDone = Callable[[RolloutTree, Task, int, float, str | None], None]
+
+
 def _rng(seed: int, index: int, attempt: int) -> np.random.Generator:
     return np.random.default_rng([seed, index, attempt])
 
@@ -288,7 +293,7 @@ def _policy_episodes(
     protocol: PinnedProtocol,
     agent: Agent,
     opts: EvalOptions,
-    on_done: Callable[[RolloutTree, Task, int, float, str | None], None],
+    on_done: EpisodeDone,
 ) -> None:
     """Every ``(index, task, attempt)`` of ``todo`` through the engine, in lockstep."""
     from branchgym.rollout.batch import run_batched
@@ -316,11 +321,8 @@ def _policy_episodes(
     if opts.executor == "thread":
         options.setdefault("n_workers", min(opts.max_envs, 8))
     executor = make_executor(opts.executor, **options)
-    try:
-        for start in range(0, len(todo), opts.max_envs * 4):
-            chunk = todo[start : start + opts.max_envs * 4]
-            jobs = [functools.partial(job, i, t, a) for i, t, a in chunk]
-            run_batched(jobs, agent.policy, executor)
+    try:  # run_batched keeps the executor's capacity (max_envs) of episodes alive
+        run_batched([functools.partial(job, i, t, a) for i, t, a in todo], agent.policy, executor)
     finally:
         executor.shutdown()
 
@@ -337,7 +339,7 @@ def _expert_episodes(
     protocol: PinnedProtocol,
     agent: Agent,
     opts: EvalOptions,
-    on_done: Callable[[RolloutTree, Task, int, float, str | None], None],
+    on_done: EpisodeDone,
 ) -> None:
     """Every episode of an env agent, in-process, on ``max_envs`` threads (one env each).
 
@@ -375,7 +377,7 @@ def _expert_episodes(
                 cut = bool(trunc) or step + 1 >= protocol.max_steps
                 node = tree.add(parent, action=action, text=str(action),
                                 observation=obs, reward=float(reward), terminated=bool(term),
-                                truncated=cut and not term, info=_small(info))  # fmt: skip
+                                truncated=cut and not term, info=dict(info))  # fmt: skip
                 parent, done = node.id, bool(term or trunc)
                 if done:
                     break
@@ -397,7 +399,7 @@ def _prediction_episodes(
     protocol: PinnedProtocol,
     agent: Agent,
     opts: EvalOptions,
-    on_done: Callable[[RolloutTree, Task, int, float, str | None], None],
+    on_done: EpisodeDone,
 ) -> None:
     """Grade each task's predicted patch with the env's grader (its defences as configured).
 
@@ -427,11 +429,6 @@ def _prediction_episodes(
             on_done(tree, task, attempt, time.perf_counter() - t0, None)
     finally:
         env.close()
-
-
-def _small(info: dict[str, Any]) -> dict[str, Any]:
-    keep = ("won", "success", "resolved", "rejected", "patch", "invalid_action", "task_type")
-    return {k: info[k] for k in keep if k in info}
 
 
 # ---------------------------------------------------------------- the run
