@@ -87,6 +87,20 @@ def _stats(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor, to
     return lp, ent, ent_k
 
 
+#: Rows (candidates x tokens) of one batched :meth:`HFEngine.score` pass: its logits are
+#: this many vocabulary rows (49152 x 4 bytes each for SmolLM2).
+SCORE_ROWS = 512
+
+
+def _batch_cache(layers: Sequence[tuple[torch.Tensor, torch.Tensor]], rows: int) -> Any:
+    """A ``DynamicCache`` of ``rows`` copies of a batch-1 cache's ``layers``."""
+    from transformers import DynamicCache
+
+    return DynamicCache(
+        ddp_cache_data=[(k.expand(rows, -1, -1, -1), v.expand(rows, -1, -1, -1)) for k, v in layers]
+    )
+
+
 def _room_cache(layers: Sequence[tuple[torch.Tensor, torch.Tensor]], room: int) -> Any:
     """A ``DynamicCache`` of ``layers`` (keys, values) with ``room`` free positions each.
 
@@ -755,26 +769,46 @@ class HFEngine:
     ) -> list[tuple[np.ndarray, np.ndarray]]:
         """Log-prob and exact entropy of each completion token given ``prompt``.
 
-        One forward pass over ``prompt + completion`` (the prompt's KV from the prefix
-        cache when present): what a teacher does in BranchOPD and what tests compare
-        sampled log-probs against.
+        The prompt is prefilled once (its KV from the prefix cache when present) and the
+        completions go through one batched forward pass on copies of that cache, right
+        padded: a completion's tokens precede its padding, so causal attention never
+        reads it. What a teacher does in BranchOPD, what the scoring policy asks at every
+        decision, and what tests compare sampled log-probs against.
         """
-        out = []
-        for comp in completions:
-            comp = [int(t) for t in comp]
-            if not comp:
-                out.append((np.zeros(0, np.float32), np.zeros(0, np.float32)))
-                continue
-            cache, rows = self._prefill(list(prompt), use_cache=self.prefix_cache_entries > 0)
-            if len(comp) > 1:
-                logits, _ = self._forward(torch.tensor([comp[:-1]], device=self.device), cache)
-            allrows = rows if len(comp) == 1 else torch.cat([rows, logits[0]], dim=0)
-            lp, ent, _ = _stats(allrows, self.topk)
-            idx = torch.tensor(comp, device=lp.device)
-            chosen = lp.gather(-1, idx[:, None])[:, 0]
-            out.append(
-                (chosen.cpu().numpy().astype(np.float32), ent.cpu().numpy().astype(np.float32))
-            )
+        comps = [[int(t) for t in c] for c in completions]
+        empty = (np.zeros(0, np.float32), np.zeros(0, np.float32))
+        out: list[tuple[np.ndarray, np.ndarray]] = [empty] * len(comps)
+        real = [i for i, c in enumerate(comps) if c]
+        if not real:
+            return out
+        cache, last = self._prefill(list(prompt), use_cache=self.prefix_cache_entries > 0)
+        n_prompt = len(prompt)
+        prompt_kv = [
+            (lay.keys[:, :, :n_prompt], lay.values[:, :, :n_prompt]) for lay in cache.layers
+        ]
+        # candidates per forward pass: keep the logits of one pass near SCORE_ROWS rows
+        width = max(len(comps[i]) for i in real) - 1
+        per_pass = max(1, SCORE_ROWS // max(1, width))
+        for lo in range(0, len(real), per_pass):
+            part = real[lo : lo + per_pass]
+            logits = None
+            if width > 0:
+                ids = torch.zeros(len(part), width, dtype=torch.long, device=self.device)
+                for r, i in enumerate(part):
+                    tail = comps[i][:-1]
+                    if tail:
+                        ids[r, : len(tail)] = torch.tensor(tail, device=self.device)
+                logits, _ = self._forward(ids, _batch_cache(prompt_kv, len(part)))
+            for r, i in enumerate(part):
+                comp = comps[i]
+                rows = last if len(comp) == 1 else torch.cat([last, logits[r, : len(comp) - 1]])
+                lp, ent, _ = _stats(rows, self.topk)
+                idx = torch.tensor(comp, device=lp.device)
+                chosen = lp.gather(-1, idx[:, None])[:, 0]
+                out[i] = (
+                    chosen.cpu().numpy().astype(np.float32),
+                    ent.cpu().numpy().astype(np.float32),
+                )
         return out
 
     def decode(self, ids: Sequence[int]) -> str:

@@ -65,6 +65,34 @@ def test_logprobs_and_entropies_match_a_direct_forward_pass(engine, tiny):
     np.testing.assert_allclose(ent, gens[0].entropies, atol=1e-4)
 
 
+
+
+def test_score_batches_candidates_of_any_length_exactly(engine, tiny, monkeypatch):
+    """One batched pass over right-padded candidates gives each one's direct forward pass."""
+    import branchgym.agents.engines.hf as hf
+
+    model, _ = tiny
+    p = prompt(engine)
+    cands = [
+        engine.encode("Action: go north"),
+        [],
+        engine.encode("Action: go east, then look around the room"),
+        engine.encode("go")[:1],
+    ]
+    for rows in (512, 8):  # one pass for all, then passes of one or two candidates
+        monkeypatch.setattr(hf, "SCORE_ROWS", rows)
+        out = engine.score(p, cands)
+        assert len(out) == len(cands)
+        assert out[1][0].shape == (0,) and out[1][1].shape == (0,)
+        for c, (lp, ent) in zip(cands, out, strict=True):
+            if not c:
+                continue
+            direct = forward(model, p + c, len(p))
+            want = direct.gather(-1, torch.tensor(c)[:, None])[:, 0].numpy()
+            np.testing.assert_allclose(lp, want, atol=1e-4)
+            np.testing.assert_allclose(ent, -(direct.exp() * direct).sum(-1).numpy(), atol=1e-4)
+
+
 def test_room_cache_holds_what_a_dynamic_cache_holds():
     from transformers.cache_utils import DynamicLayer
 
