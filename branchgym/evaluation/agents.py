@@ -16,7 +16,9 @@ spec                                   agent
                                        (its latest checkpoint), generated through
                                        :class:`~branchgym.agents.engines.hf.HFEngine`'s
                                        batched decoding (temperature 1: the policy as
-                                       trained)
+                                       trained), or as the scoring policy (the softmax
+                                       over the admissible actions) where the run
+                                       trained one or ``--policy scoring`` asks
 ``http://host:port/v1``                an OpenAI-compatible chat endpoint (``--model``,
                                        ``--api-key-env``, sampling options):
                                        :class:`~branchgym.evaluation.endpoint.EndpointPolicy`
@@ -47,11 +49,16 @@ from branchgym.rollout.policy import ActionSample, ActRequest, Policy
 __all__ = [
     "Agent",
     "FunctionPolicy",
+    "POLICY_CHOICES",
     "agent_kind",
     "gold_agent",
     "make_agent",
     "predictions_agent",
 ]
+
+#: ``--policy`` of model agents: ``generate`` (free generation, parsed), ``scoring`` (the
+#: softmax over the admissible actions' log-probs), ``auto`` (what the train run used).
+POLICY_CHOICES = ("auto", "generate", "scoring")
 
 _MODULE_ATTR = re.compile(r"^[A-Za-z_][\w.]*:[A-Za-z_][\w.]*$")
 
@@ -160,13 +167,30 @@ def _folder_digest(folder: Path) -> str:
     return stable_hash(parts, text, size=8)
 
 
-def _model_agent(spec: str, *, max_new_tokens: int, threads: int | None) -> Agent:
+def _run_args(folder: Path) -> dict[str, Any]:
+    """The ``args.json`` of the ``branchgym train`` run that made ``folder``, else ``{}``."""
+    for cand in (folder, folder.parent):
+        path = cand / "args.json"
+        if path.is_file():
+            try:
+                args = json.loads(path.read_text())
+            except json.JSONDecodeError as exc:
+                raise OptionError(f"{path} is not JSON ({exc}); restore it from the run") from exc
+            return args if isinstance(args, dict) else {}
+    return {}
+
+
+def _model_agent(spec: str, *, max_new_tokens: int, threads: int | None, policy: str) -> Agent:
     from branchgym.agents.engines.hf import HFEngine
     from branchgym.agents.policies.models import load_model
     from branchgym.agents.policies.policy import LLMPolicy
+    from branchgym.agents.policies.scoring import DEFAULT_TEMPLATE, ScoringPolicy
 
+    if policy not in POLICY_CHOICES:
+        raise OptionError(f"--policy {policy!r}: use one of {', '.join(POLICY_CHOICES)}")
     name = spec[3:] if spec.startswith("hf:") else spec
     config: dict[str, Any] = {"kind": "model", "max_new_tokens": max_new_tokens}
+    run_args: dict[str, Any] = {}
     if name in ("tiny", "smollm2"):
         config["model"] = name
         source: Any = name
@@ -174,12 +198,25 @@ def _model_agent(spec: str, *, max_new_tokens: int, threads: int | None) -> Agen
         folder = _latest_checkpoint(Path(os.path.expanduser(name)).resolve())
         config.update(model=str(folder), digest=_folder_digest(folder))
         source = folder
+        run_args = _run_args(folder)
     else:
         config["model"] = name  # a Hub id from the local cache
         source = name
+    if policy == "auto":  # the policy the run trained, as `branchgym train` chose it
+        policy = run_args.get("policy", "auto")
+        if policy not in ("generate", "scoring"):  # train's own auto: scoring for tiny
+            policy = "scoring" if run_args.get("model", name) == "tiny" else "generate"
+    template = str(run_args.get("scoring_template") or DEFAULT_TEMPLATE)
+    config["policy"] = policy
+    if policy == "scoring":
+        config["scoring_template"] = template
     model, tok = load_model(source)
     engine = HFEngine(model, tok, max_new_tokens=max_new_tokens, threads=threads)
-    return Agent(spec, "model", LLMPolicy(engine, max_new_tokens=max_new_tokens), None, config)
+    if policy == "scoring":
+        acting: Any = ScoringPolicy(engine, template=template)
+    else:
+        acting = LLMPolicy(engine, max_new_tokens=max_new_tokens)
+    return Agent(spec, "model", acting, None, config)
 
 
 def _callable_agent(spec: str) -> Agent:
@@ -222,6 +259,7 @@ def make_agent(
     max_new_tokens: int = 48,
     max_concurrent_requests: int = 8,
     threads: int | None = None,
+    policy: str = "auto",
 ) -> Agent:
     """Resolve ``spec`` for ``env_id`` (see the module's table).
 
@@ -235,9 +273,17 @@ def make_agent(
         max_new_tokens: Tokens per action of a model agent.
         max_concurrent_requests: Concurrent requests to an endpoint.
         threads: torch threads of a model agent.
+        policy: How a model agent acts (:data:`POLICY_CHOICES`): ``auto`` plays a train
+            run's checkpoint with the policy it trained (``scoring`` or ``generate``),
+            ``tiny`` with ``scoring`` and any other model with ``generate``.
     """
     kind = agent_kind(spec)
     sampling = dict(sampling or {})
+    if policy != "auto" and kind != "model":
+        raise OptionError(
+            f"--policy is for model agents (a model folder, train run, tiny or smollm2); "
+            f"{spec!r} is a {kind} agent"
+        )
     if kind != "endpoint" and (model is not None or api_key_env is not None or sampling):
         raise OptionError(
             f"--model, --api-key-env and sampling options are for endpoint agents; "
@@ -267,7 +313,7 @@ def make_agent(
     if kind == "callable":
         return _callable_agent(spec)
     if kind == "model":
-        return _model_agent(spec, max_new_tokens=max_new_tokens, threads=threads)
+        return _model_agent(spec, max_new_tokens=max_new_tokens, threads=threads, policy=policy)
     if model is None:
         raise OptionError(
             f"an endpoint agent needs --model (the name the server at {spec} serves)"

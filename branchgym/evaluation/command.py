@@ -95,6 +95,10 @@ def configure(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-tokens", type=_positive(int), help="endpoint tokens per reply")
     p.add_argument("--max-new-tokens", type=_positive(int), default=48,
                    help="model agents: tokens per action (48)")  # fmt: skip
+    p.add_argument("--policy", default="auto", choices=("auto", "generate", "scoring"),
+                   help="model agents: generate (free replies, parsed), scoring (softmax "
+                   "over the admissible actions' log-probs) or auto (what the train run "
+                   "used; generate for other models)")  # fmt: skip
     p.add_argument("--max-envs", type=_positive(int), default=8,
                    help="live environments at once (8)")  # fmt: skip
     p.add_argument("--max-requests", type=_positive(int), default=8,
@@ -241,6 +245,7 @@ def run(args: argparse.Namespace) -> int:
             args.agent, env_id, model=args.model, api_key_env=args.api_key_env,
             sampling=sampling, max_new_tokens=args.max_new_tokens,
             max_concurrent_requests=args.max_requests, threads=args.threads,
+            policy=args.policy,
         )  # fmt: skip
     summary = run_eval(
         pinned,

@@ -232,6 +232,8 @@ def test_compare_pairs_runs_and_refuses_other_protocols(tmp_path, capsys):
          "gold is SWE-bench's reference agent"),
         (["branchgym/TextTreeMDP-v0", "--agent", "random", "--predictions", "p.jsonl"],
          OptionError, "exactly one of"),
+        (["branchgym/TextTreeMDP-v0", "--agent", "random", "--policy", "scoring"],
+         OptionError, "--policy is for model agents"),
     ],
 )  # fmt: skip
 def test_bad_input_is_a_typed_error_that_names_the_fix(tmp_path, argv, error, message, capsys):
@@ -291,6 +293,10 @@ def test_webshop_expert_scores_and_random_is_worse(tmp_path):
     assert e["metrics"]["score"]["mean"] == pytest.approx(100 * e["metrics"]["return"]["mean"])
 
 
+def tiny_agent_policy() -> str:
+    return make_agent("tiny", "branchgym/TextTreeMDP-v0", max_new_tokens=8).config["policy"]
+
+
 @pytest.mark.slow
 def test_model_folders_and_train_checkpoints_generate_through_the_engine(tmp_path):
     pytest.importorskip("torch")
@@ -303,6 +309,11 @@ def test_model_folders_and_train_checkpoints_generate_through_the_engine(tmp_pat
     assert main(train) == 0
     agent = make_agent(str(tmp_path / "sft"), proto.env_id, max_new_tokens=8)
     assert Path(agent.config["model"]).name.startswith("checkpoint-")
+    # the run trained tiny with train's auto policy (scoring): eval plays it the same way
+    assert agent.config["policy"] == "scoring" and tiny_agent_policy() == "scoring"
+    forced = make_agent(str(tmp_path / "sft"), proto.env_id, max_new_tokens=8,
+                        policy="generate")  # fmt: skip
+    assert forced.config["policy"] == "generate" and forced.config_hash != agent.config_hash
     s = run_eval(proto, agent, tmp_path / "ckpt", EvalOptions(progress=False))
     assert s["counts"]["episodes"] == 4 and s["cost"]["generated_tokens"] > 0
     with pytest.raises(OptionError, match="neither a model folder"):
