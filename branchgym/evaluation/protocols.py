@@ -12,6 +12,9 @@ The shipped protocols (:data:`PROTOCOLS`):
 * ``webshop-test``: WebShop's 500 ``test`` goals (upstream's split of the seed-233
   shuffled goal list), upstream's 15-step cap; average score x100 and success rate. On
   the generated 1,000-product catalog unless ``data_dir`` points at the real data;
+* ``webshop-small``: the first 200 of those goals with a 6-step cap (search, a product,
+  up to three options, Buy Now): the protocol of the reference results, where a 135M model
+  is trained and scored on a CPU (docs/results.md, Reference results);
 * ``alfworld-thor-seen`` / ``alfworld-thor-unseen``: ALFWorld's seen (140 games) and
   unseen (134) sets on the AI2-THOR floor plans the engine ships, 50 steps; success rate
   overall and per task type;
@@ -236,6 +239,10 @@ def _webshop_tasks(env: Any) -> list[Task]:
     return [Task(f"test-{i}", 0, {"goal_index": i, "split": "test"}) for i in range(len(goals))]
 
 
+def _webshop_small_tasks(env: Any) -> list[Task]:
+    return _webshop_tasks(env)[:SMALL_GOALS]
+
+
 def _webshop_digest(env: Any) -> str:
     catalog = env.unwrapped.catalog
     return stable_hash({"catalog": catalog.fingerprint, "test": list(catalog.split_range("test"))})
@@ -272,6 +279,9 @@ def _texttree_digest(env: Any) -> str:
     return stable_hash({"maze": env.unwrapped.snapshot_identity()})
 
 
+#: Test goals of ``webshop-small``: the first 200 of the 500 (issue-sized for CPU evals).
+SMALL_GOALS = 200
+
 #: name -> protocol.
 PROTOCOLS: dict[str, Protocol] = {
     "webshop-test": Protocol(
@@ -290,6 +300,20 @@ PROTOCOLS: dict[str, Protocol] = {
             "IL+RL 62.4 / 28.7 %, human experts 82.1 / 59.6 %; ReAct (Yao et al. 2023, "
             "PaLM-540B prompting) 66.6 / 40.0 %"
         ),
+    ),
+    "webshop-small": Protocol(
+        name="webshop-small",
+        version=1,
+        env_id="branchgym/WebShop-v0",
+        env_kwargs={"split": "test", "max_steps": 6},
+        max_steps=6,
+        metric="score",
+        category_key=None,
+        list_tasks=_webshop_small_tasks,
+        data_digest=_webshop_digest,
+        description="the first 200 WebShop test goals, 6 steps: the reference-results "
+        "protocol (docs/results.md), sized for a 135M model on a CPU",
+        published="none: a small-model protocol of this project (docs/results.md)",
     ),
     **{
         f"alfworld-thor-{split}": Protocol(
