@@ -56,6 +56,11 @@ class TrainArgs:
     ``(seed, step)``, which makes resuming exact."""
     steps: int = 100
     """Rollout batches (each followed by ``updates_per_batch`` optimizer updates)."""
+    max_env_steps: int = 0
+    """Stop after the step at which the run's environment steps (``env/steps`` summed over
+    its steps, a resumed run's included) reach this budget (0: no budget, ``steps``
+    decides): how learners with different rollout shapes are compared at matched env
+    steps. ``steps`` still caps the run and sets the LR schedule's length."""
     prompts_per_step: int = 128
     """Prompts (task instances, reset seeds) per rollout batch (128 in the BPO source)."""
     lr: float = 2e-6
@@ -202,6 +207,7 @@ class TrainArgs:
             "eval_episodes",
             "eval_every",
             "save_trees_every",
+            "max_env_steps",
         ):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:

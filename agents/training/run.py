@@ -298,7 +298,7 @@ class Run(RunSetup, RunUpdate, RunSaving):
         stop: dict[str, str] = {}
         restore_handlers = stop_on_signals(stop)
         try:
-            while self.step < a.steps:
+            while self.step < a.steps and not self.env_budget_spent():
                 self._pending = {}
                 self._step_batch = None
                 self._times = {}
@@ -385,6 +385,20 @@ class Run(RunSetup, RunUpdate, RunSaving):
             groups=list(batch.groups),
         )
 
+
+    def env_steps(self) -> int:
+        """Environment steps of the run so far.
+
+        Those up to the checkpoint it resumed from (:attr:`env_base`) plus ``env/steps`` of
+        the steps logged after it.
+        """
+        step, before = self.env_base
+        after = (line.get("env/steps", 0.0) for line in self.history if line["step"] > step)
+        return before + int(sum(after))
+
+    def env_budget_spent(self) -> bool:
+        """Whether ``max_env_steps`` is set and the run has taken that many env steps."""
+        return bool(self.args.max_env_steps) and self.env_steps() >= self.args.max_env_steps
 
     def log(self, metrics: dict[str, float]) -> None:
         """Add metrics to the current step's line."""

@@ -93,6 +93,7 @@ class RunSaving:
             "grad_norm": dataclasses.asdict(self.grad_norm),
             "torch_rng": torch.get_rng_state().tolist(),
             "policy": self.kind.name,
+            "env_steps": self.env_steps(),
             "files": file_digests(tmp),  # checked on load: damage is refused, not resumed
         }
         (tmp / "trainer_state.json").write_text(json.dumps(state, default=json_default))
@@ -131,6 +132,7 @@ class RunSaving:
                 "grad_norm": dataclasses.asdict(self.grad_norm),
                 "torch_rng_ranks": rng_states,
                 "policy": self.kind.name,
+                "env_steps": self.env_steps(),
                 "files": file_digests(tmp),
             }
             (tmp / "trainer_state.json").write_text(json.dumps(state, default=json_default))
@@ -157,6 +159,7 @@ class RunSaving:
                 )
             check_finite(f"cannot resume from {folder}", self.model.named_parameters())
             self.step = int(state["step"])
+            self.env_base = (self.step, int(state.get("env_steps", 0)))
             self.grad_norm = RunningStats(**state["grad_norm"])
             rng = state["torch_rng_ranks"][self.dp.rank]
             torch.set_rng_state(torch.tensor(rng, dtype=torch.uint8))
@@ -204,6 +207,7 @@ class RunSaving:
         check_finite(f"cannot resume from {folder}", self.model.named_parameters())
         check_finite(f"cannot resume from {folder}: optimizer state", tensors)
         self.step = int(state["step"])
+        self.env_base = (self.step, int(state.get("env_steps", 0)))
         self.grad_norm = RunningStats(**state["grad_norm"])
         torch.set_rng_state(torch.tensor(state["torch_rng"], dtype=torch.uint8))
         self._continue_metrics(self.step)

@@ -242,6 +242,9 @@ class RunSetup:
         self.step = 0
         self.grad_norm = RunningStats()
         self.history: list[dict[str, float]] = []
+        # (step, env steps up to it) of the checkpoint this run resumed from: env steps
+        # are counted from there, whichever folder the resumed run logs to
+        self.env_base: tuple[int, int] = (0, 0)
         self.eval_start: EvalResult | None = None
         self.eval_end: EvalResult | None = None
         self.last_checkpoint: Path | None = None

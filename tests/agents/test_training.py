@@ -777,3 +777,29 @@ def test_policy_names_are_the_registered_policy_kinds():
     assert tuple(POLICIES) == POLICY_NAMES
     with pytest.raises(TrainingConfigError, match="policy"):
         training.TrainArgs(policy="sampling").check()
+
+
+def test_an_env_step_budget_stops_runs_of_any_shape_at_matched_env_steps(tmp_path):
+    """max_env_steps ends a run at the first step whose env steps reach it, resumed or not."""
+    budget = 40
+    runs = {}
+    for algo, extra in (("grpo", {}), ("bpo", {"gap_unit": "steps"})):
+        runs[algo] = train(
+            algo, out_dir=str(tmp_path / algo), steps=50, max_env_steps=budget,
+            checkpoint_every=1, **{**TINY, **extra},
+        )  # fmt: skip
+    for algo, result in runs.items():
+        lines = [h for h in result.history if "env/steps" in h]
+        spent = np.cumsum([h["env/steps"] for h in lines])
+        assert spent[-1] >= budget, algo
+        assert len(lines) == 1 or spent[-2] < budget, algo  # no step past the budget
+        assert len(lines) < 50, algo
+    # resumed from its first checkpoint into another folder, a run counts the env steps
+    # it had taken before: bpo's stops where the uninterrupted one did
+    steps = [h["step"] for h in runs["bpo"].history if "env/steps" in h]
+    assert len(steps) >= 2
+    first = tmp_path / "bpo" / "checkpoint-000001"
+    resumed = train("bpo", out_dir=str(tmp_path / "again"), resume=str(first))
+    assert [h["step"] for h in resumed.history if "env/steps" in h] == steps[1:]
+    with pytest.raises(TrainingConfigError, match="max_env_steps must be an integer >= 0"):
+        train("grpo", out_dir=str(tmp_path / "bad"), max_env_steps=-1, **TINY)
