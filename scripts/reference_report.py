@@ -1,0 +1,191 @@
+"""The reference results' report: table, paired comparisons and learning curves.
+
+``scripts/reference_results.py`` calls :func:`write_report` after its runs; it reads only
+the copied result files under ``out`` (``train/<run>/metrics.jsonl``,
+``eval/<name>/summary.json`` and ``episodes.jsonl``), so it can be rerun on a fresh clone::
+
+    python scripts/reference_report.py reference/webshop-small
+
+and writes ``out/README.md`` (the table, the comparisons, the cost), ``out/compare/*.json``
+(``branchgym eval compare`` results) and ``out/curves.png``.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+#: Display names of the rows.
+NAMES = {
+    "expert": "scripted shopper (the SFT data's expert)",
+    "random": "uniform over admissible actions",
+    "zero-shot": "SmolLM2-135M-Instruct, zero-shot",
+    "sft": "SFT warm start",
+    "grpo": "GRPO",
+    "rloo": "RLOO",
+    "bpo_rec": "Branching PO (recommended, unbiased)",
+    "bellman_po": "Bellman PO",
+}
+
+
+def _metrics(path: Path) -> list[dict[str, float]]:
+    lines = []
+    for line in path.read_text().splitlines():
+        if line.strip():
+            lines.append(json.loads(line))
+    return [d for d in lines if "env/steps" in d or "losses/sft" in d]
+
+
+def train_cost(folder: Path) -> dict[str, float]:
+    """Steps, env steps, learner tokens and hours of one copied training run."""
+    lines = _metrics(folder / "metrics.jsonl")
+    args = json.loads((folder / "args.json").read_text()) if (folder / "args.json").exists() else {}
+    threads = int(args.get("threads") or 1)
+    hours = sum(d.get("time/step_s", 0.0) for d in lines) / 3600
+    return {
+        "steps": len(lines),
+        "env_steps": sum(d.get("env/steps", 0.0) for d in lines),
+        "learner_tokens": sum(d.get("tokens/learner", 0.0) for d in lines),
+        "hours": hours,
+        "cpu_hours": hours * threads,
+    }
+
+
+def eval_row(folder: Path) -> dict[str, Any]:
+    """Score and success with intervals, and the eval's cost, from a copied eval run."""
+    s = json.loads((folder / "summary.json").read_text())
+    m = s["metrics"]
+    return {
+        "score": m["score"],
+        "success": m["success"],
+        "complete": s.get("complete", False),
+        "episodes": s["counts"]["episodes"],
+        "invalid": s["counts"].get("invalid_actions", 0),
+        "env_steps": s.get("cost", {}).get("env_steps", 0),
+    }
+
+
+def _iv(m: dict[str, Any], scale: float = 1.0, digits: int = 1) -> str:
+    f = f"{{:.{digits}f}}"
+    return (
+        f"{f.format(m['mean'] * scale)} [{f.format(m['low'] * scale)}, "
+        f"{f.format(m['high'] * scale)}]"
+    )
+
+
+def write_report(runs: Path, out: Path, *, learners: list[str], seeds: list[int]) -> Path:
+    """Write ``out/README.md``, ``out/compare/*.json`` and ``out/curves.png``."""
+    from branchgym.evaluation.compare import compare_runs
+
+    del runs  # everything is read from the copied files
+    ev = out / "eval"
+    rows, lines = {}, []
+    runs_ = [f"{n}-s{s}" for n in learners for s in seeds]
+    for name in ["expert", "random", "zero-shot", "sft", *runs_]:
+        if (ev / name / "summary.json").exists():
+            rows[name] = eval_row(ev / name)
+    lines += [
+        "| model | seed | score x100 [95 % CI] | success [95 % CI] | env steps | learner "
+        "tokens | train hours (threads) |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for name, r in rows.items():
+        base, _, seed = name.rpartition("-s") if "-s" in name else (name, "", "")
+        label = NAMES.get(base or name, name)
+        cost = {"env_steps": 0, "learner_tokens": 0, "hours": 0.0, "cpu_hours": 0.0}
+        tdir = out / "train" / name
+        if name not in ("expert", "random", "zero-shot") and tdir.exists():
+            cost = train_cost(tdir)
+        lines.append(
+            f"| {label} | {seed or '-'} | {_iv(r['score'])} | {_iv(r['success'], digits=3)} | "
+            f"{cost['env_steps']:.0f} | {cost['learner_tokens']:.0f} | "
+            f"{cost['hours']:.2f} ({cost['cpu_hours']:.2f} CPU h) |"
+        )
+    cmp_dir = out / "compare"
+    cmp_dir.mkdir(parents=True, exist_ok=True)
+    pairs = []
+    for n in learners:
+        for s in seeds:
+            pairs.append((f"{n}-s{s}", "sft"))
+    for s in seeds:
+        pairs.append((f"bpo_rec-s{s}", f"grpo-s{s}"))
+    lines += ["", "| A vs B (paired by goal) | score A - B [95 % CI] | success A - B [95 % CI] "
+              "| McNemar p (success) |", "|---|---|---|---|"]  # fmt: skip
+    for a, b in pairs:
+        if a not in rows or b not in rows:
+            continue
+        res = compare_runs(ev / a, ev / b)
+        (cmp_dir / f"{a}_vs_{b}.json").write_text(json.dumps(res, indent=2) + "\n")
+        d = res["metrics"]
+        mc = res.get("mcnemar") or {}
+        lines.append(
+            f"| {a} vs {b} | {_iv(d['score']['a_minus_b'])} | "
+            f"{_iv(d['success']['a_minus_b'], digits=3)} | {mc.get('p_value', float('nan')):.3g} |"
+        )
+    plot_curves(out, learners, seeds, rows)
+    text = "\n".join(lines) + "\n"
+    (out / "README.md").write_text(
+        "# Reference results: SmolLM2-135M-Instruct on WebShop (webshop-small)\n\n"
+        "Written by `scripts/reference_report.py` from the files in this folder; how they "
+        "were made and what they mean: docs/results.md, Reference results.\n\n" + text
+    )
+    print(text)
+    return out / "README.md"
+
+
+def plot_curves(out: Path, learners: list[str], seeds: list[int], rows: dict[str, Any]) -> None:
+    """Training return against env steps and learner tokens; held-out scores at the ends."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import numpy as np
+
+    fig, axes = plt.subplots(1, 3, figsize=(13, 3.6))
+    for n in learners:
+        for s in seeds:
+            folder = out / "train" / f"{n}-s{s}"
+            if not (folder / "metrics.jsonl").exists():
+                continue
+            lines = _metrics(folder / "metrics.jsonl")
+            env = np.cumsum([d.get("env/steps", 0.0) for d in lines])
+            tok = np.cumsum([d.get("tokens/learner", 0.0) for d in lines])
+            ret = [d.get("charts/return", np.nan) for d in lines]
+            label = f"{n} s{s}"
+            axes[0].plot(env, ret, marker=".", label=label)
+            axes[1].plot(tok / 1e3, ret, marker=".", label=label)
+            name = f"{n}-s{s}"
+            if name in rows and "sft" in rows:
+                axes[2].errorbar(
+                    [0, env[-1] if len(env) else 0],
+                    [rows["sft"]["score"]["mean"], rows[name]["score"]["mean"]],
+                    yerr=[
+                        [rows["sft"]["score"]["mean"] - rows["sft"]["score"]["low"],
+                         rows[name]["score"]["mean"] - rows[name]["score"]["low"]],
+                        [rows["sft"]["score"]["high"] - rows["sft"]["score"]["mean"],
+                         rows[name]["score"]["high"] - rows[name]["score"]["mean"]],
+                    ],  # fmt: skip
+                    marker="o",
+                    capsize=3,
+                    label=label,
+                )
+    axes[0].set(xlabel="env steps", ylabel="training return (on-policy batch)")
+    axes[1].set(xlabel="learner tokens (thousands)", ylabel="training return")
+    axes[2].set(xlabel="env steps", ylabel="held-out score x100 (200 goals)",
+                title="SFT (0) -> final checkpoint")  # fmt: skip
+    for ax in axes:
+        ax.grid(alpha=0.3)
+    axes[0].legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(out / "curves.png", dpi=110)
+    plt.close(fig)
+
+
+if __name__ == "__main__":
+    folder = Path(sys.argv[1] if len(sys.argv) > 1 else "reference/webshop-small")
+    names = sorted(p.name for p in (folder / "train").glob("*-s*"))
+    found_learners = sorted({n.rpartition("-s")[0] for n in names})
+    found_seeds = sorted({int(n.rpartition("-s")[2]) for n in names})
+    write_report(folder, folder, learners=found_learners, seeds=found_seeds)

@@ -1,0 +1,294 @@
+#!/usr/bin/env python
+"""The reference results: SmolLM2-135M-Instruct on WebShop, warm-started, then each learner.
+
+One command runs the whole recipe (docs/results.md, Reference results), stage by stage, and
+picks up where it stopped: a stage whose result exists is skipped, a training run cut off
+mid-way is resumed from its latest checkpoint (``branchgym train --resume``), an
+evaluation cut off mid-way is finished (``branchgym eval --resume``)::
+
+    python scripts/reference_results.py                  # everything, 2 jobs at a time
+    python scripts/reference_results.py --seeds 0 1 --learners grpo bpo_rec
+    python scripts/reference_results.py --dry-run        # print the commands only
+
+Stages, each a ``branchgym`` command (printed before it runs):
+
+1. ``sft``: supervised warm start on the scripted shopper's episodes of the ``train``
+   goals, through the scoring policy (a cross-entropy over the admissible actions);
+2. ``train``: each learner (:data:`LEARNERS`) from the SFT checkpoint, per seed, until
+   the same env-step budget (``max_env_steps``), metrics to JSONL and TensorBoard;
+3. ``eval``: ``branchgym eval`` on the ``webshop-small`` protocol (the first 200 ``test``
+   goals, none of them trained on) of the zero-shot model, the SFT model and every
+   learner's final checkpoint;
+4. ``report``: the paired comparisons (``branchgym eval compare``: each learner against
+   SFT, Branching PO against GRPO), learning curves and the table, copied with the small
+   result files (metrics, eval episodes and summaries; no weights) to ``--out``, which the
+   repository ships so that ``eval compare`` can put a user's agent beside them.
+
+``--model`` and ``--device`` run the same recipe on another model folder or a GPU
+(``scripts/gpu_learners.py --recipe`` does that with the GPU-sized defaults).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shlex
+import shutil
+import subprocess
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+ENV_ID = "branchgym/WebShop-v0"
+#: The training env: WebShop's train goals, the protocol's 6-step cap.
+ENV_KWARGS = {"max_steps": 6}
+PROTOCOL = "webshop-small"
+
+#: The warm start: 96 expert episodes of train goals, 8 per update, 16 updates.
+SFT = {
+    "steps": 16,
+    "lr": 5e-5,
+    "set": {"episodes": 96, "batch_episodes": 8, "checkpoint_every": 8},
+}
+
+#: Each learner's options (besides the shared ones in :func:`learner_command`). Rollout
+#: shapes differ; the env-step budget (``--budget``) matches them.
+LEARNERS: dict[str, dict[str, Any]] = {
+    "grpo": {"algo": "grpo", "set": {"n": 8}},
+    "rloo": {"algo": "grpo", "set": {"n": 8, "advantage": "rloo"}},
+    # the project's recommended unbiased Branching PO (docs/estimators.md): fixed branch
+    # depth (the results page, where the product is chosen), value_diff credit, per-depth
+    # weights; 2 backbones x 4 siblings = 8 lines per prompt
+    "bpo_rec": {
+        "algo": "bpo",
+        "set": {
+            "schedule": "depths",
+            "branch_depths": "1",
+            "m": 1,
+            "k": 4,
+            "backbones": 2,
+            "credit": "value_diff",
+            "depth_weight": True,
+            "depth_count": "backbone",
+            "gap_unit": "steps",
+        },
+    },
+    "bellman_po": {"algo": "bellman_po", "set": {"g": 8}},
+}
+
+#: Shared options of every learner run.
+COMMON = {
+    "lr": 1e-5,
+    "prompts": 2,
+    "set": {
+        "lr_schedule": "constant",
+        "micro_batch_tokens": 2048,
+        "checkpoint_every": 1,
+    },
+}
+
+
+def _fmt(value: Any) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    return str(value)
+
+
+def _sets(options: dict[str, Any]) -> list[str]:
+    return [f"{k}={_fmt(v)}" for k, v in options.items()]
+
+
+def latest_checkpoint(folder: Path) -> Path | None:
+    """The newest complete ``checkpoint-NNNNNN`` of a run folder, or None."""
+    ckpts = sorted(
+        p
+        for p in folder.glob("checkpoint-*")
+        if p.is_dir() and p.name[len("checkpoint-") :].isdigit()
+    )
+    return ckpts[-1] if ckpts else None
+
+
+class Recipe:
+    """The stages' commands for one configuration (paths, model, device, budget)."""
+
+    def __init__(self, args: argparse.Namespace) -> None:
+        self.a = args
+        self.runs = Path(args.runs)
+        self.out = Path(args.out)
+        self.bg = [sys.executable, "-m", "branchgym.cli"]
+
+    def train_command(self, fixed: list[str], options: dict[str, Any], out: Path) -> list[str]:
+        """``branchgym train`` with ``fixed`` arguments and one ``--set`` of ``options``.
+
+        A run folder with a checkpoint resumes from its latest one; a run folder without
+        one (stopped before its first checkpoint) starts again.
+        """
+        cmd = [*self.bg, "train", "--env", ENV_ID, "--env-kwargs", json.dumps(ENV_KWARGS),
+               "--policy", "scoring", "--device", self.a.device, "--log", "jsonl,tensorboard",
+               "--no-progress", *fixed, "--out", str(out)]  # fmt: skip
+        ckpt = latest_checkpoint(out) if out.exists() else None
+        if ckpt is not None:
+            cmd += ["--resume", str(ckpt)]
+        elif out.exists():
+            options = {**options, "overwrite": True}
+        return [*cmd, "--set", *_sets(options)]
+
+    def sft_command(self) -> list[str]:
+        """The warm start (:data:`SFT`) of ``--model``."""
+        options = {"threads": self.a.threads * self.a.jobs, "micro_batch_tokens": 2048,
+                   **SFT["set"]}  # fmt: skip
+        fixed = ["--algo", "sft", "--model", self.a.model, "--steps", str(SFT["steps"]),
+                 "--lr", str(SFT["lr"]), "--seed", "0"]  # fmt: skip
+        return self.train_command(fixed, options, self.runs / "sft")
+
+    def sft_model(self) -> Path:
+        """The SFT run's final checkpoint: every learner starts from it."""
+        return self.runs / "sft" / f"checkpoint-{SFT['steps']:06d}"
+
+    def learner_command(self, name: str, seed: int) -> list[str]:
+        """Learner ``name`` (:data:`LEARNERS`) from the SFT model, to the env-step budget."""
+        spec = LEARNERS[name]
+        options = {"threads": self.a.threads, **COMMON["set"], **spec["set"],
+                   "max_env_steps": self.a.budget}  # fmt: skip
+        fixed = ["--algo", spec["algo"], "--model", str(self.sft_model()),
+                 "--steps", str(self.a.max_steps), "--prompts", str(COMMON["prompts"]),
+                 "--lr", str(COMMON["lr"]), "--seed", str(seed)]  # fmt: skip
+        return self.train_command(fixed, options, self.runs / f"{name}-s{seed}")
+
+    def eval_command(self, name: str, agent: str) -> list[str]:
+        """``branchgym eval`` of ``agent`` on the protocol (finished if it was cut off)."""
+        out = self.runs / "eval" / name
+        cmd = [*self.bg, "eval", ENV_ID, "--protocol", PROTOCOL, "--agent", agent,
+               "--no-progress", "--out", str(out)]  # fmt: skip
+        if agent not in ("expert", "random"):  # a model: scored as it was trained
+            cmd += ["--policy", "scoring", "--threads", str(self.a.threads)]
+        if (out / "run.json").exists():
+            cmd.append("--resume")
+        return cmd
+
+    # ------------------------------------------------------------------ done checks
+    def train_done(self, out: Path) -> bool:
+        """Whether a learner run reached its step cap or its env-step budget."""
+        if out == self.runs / "sft":  # the warm start is done at its planned checkpoint
+            return self.sft_model().is_dir()
+        ckpt = latest_checkpoint(out) if out.exists() else None
+        if ckpt is None:
+            return False
+        state = json.loads((ckpt / "trainer_state.json").read_text())
+        args = state.get("args", {})
+        budget = int(args.get("max_env_steps") or 0)
+        return int(state["step"]) >= int(args.get("steps", 0)) or (
+            budget > 0 and int(state.get("env_steps", 0)) >= budget
+        )
+
+    def eval_done(self, name: str) -> bool:
+        """Whether evaluation ``name`` finished every episode."""
+        summary = self.runs / "eval" / name / "summary.json"
+        return summary.exists() and json.loads(summary.read_text()).get("complete", False)
+
+    def run_names(self) -> list[str]:
+        """``<learner>-s<seed>`` of every learner run asked for."""
+        return [f"{n}-s{s}" for n in self.a.learners for s in self.a.seeds]
+
+
+def run(cmd: list[str], log: Path, dry: bool) -> None:
+    """Run one stage's command niced, its output to ``log``; raise if it fails."""
+    text = shlex.join(cmd)
+    print(f"$ {text}", flush=True)
+    if dry:
+        return
+    log.parent.mkdir(parents=True, exist_ok=True)
+    t0 = time.time()
+    with open(log, "a") as fh:
+        fh.write(f"$ {text}\n")
+        fh.flush()
+        proc = subprocess.run(
+            ["nice", "-n", "5", *cmd], stdout=fh, stderr=subprocess.STDOUT, check=False
+        )
+    print(f"  exit {proc.returncode} after {(time.time() - t0) / 60:.1f} min ({log})", flush=True)
+    if proc.returncode != 0:
+        raise SystemExit(f"stage failed: {text}; see {log}")
+
+
+def copy_results(recipe: Recipe) -> None:
+    """Copy the small result files of every finished run to ``--out`` (no weights)."""
+    out, runs = recipe.out, recipe.runs
+    for folder in sorted(runs.glob("*")):
+        if folder.name == "eval" or not (folder / "metrics.jsonl").exists():
+            continue
+        dest = out / "train" / folder.name
+        dest.mkdir(parents=True, exist_ok=True)
+        for name in ("metrics.jsonl", "args.json", "curves.png"):
+            if (folder / name).exists():
+                shutil.copy2(folder / name, dest / name)
+    for folder in sorted((runs / "eval").glob("*")):
+        if not (folder / "summary.json").exists():
+            continue
+        dest = out / "eval" / folder.name
+        dest.mkdir(parents=True, exist_ok=True)
+        for name in ("summary.json", "run.json", "episodes.jsonl", "report.md"):
+            if (folder / name).exists():
+                shutil.copy2(folder / name, dest / name)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run the stages that are not done yet."""
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--stages", nargs="+", default=["sft", "train", "eval", "report"],
+                   choices=["sft", "train", "eval", "report"])  # fmt: skip
+    p.add_argument("--learners", nargs="+", default=list(LEARNERS), choices=list(LEARNERS))
+    p.add_argument("--seeds", nargs="+", type=int, default=[0, 1])
+    p.add_argument("--budget", type=int, default=240,
+                   help="env steps per learner run (240)")  # fmt: skip
+    p.add_argument("--max-steps", type=int, default=100,
+                   help="cap on rollout batches (the budget stops runs first)")  # fmt: skip
+    p.add_argument("--model", default="smollm2", help="the model to warm-start (smollm2)")
+    p.add_argument("--device", default="auto")
+    p.add_argument("--jobs", type=int, default=2, help="runs at once (2)")
+    p.add_argument("--threads", type=int, default=1, help="torch threads per run (1)")
+    p.add_argument("--runs", default="runs/reference", help="where runs and checkpoints go")
+    p.add_argument("--out", default="reference/webshop-small",
+                   help="where the shipped result files go")  # fmt: skip
+    p.add_argument("--dry-run", action="store_true", help="print the commands only")
+    a = p.parse_args(argv)
+    os.environ.setdefault("PYTHONUNBUFFERED", "1")
+    recipe = Recipe(a)
+    logs = recipe.runs / "logs"
+    dry = a.dry_run
+    t0 = time.time()
+    if "sft" in a.stages and not recipe.train_done(recipe.runs / "sft"):
+        run(recipe.sft_command(), logs / "sft.log", dry)
+    jobs: list[tuple[list[str], Path]] = []
+    if "train" in a.stages:
+        for name in recipe.run_names():
+            if not recipe.train_done(recipe.runs / name):
+                learner, _, seed = name.rpartition("-s")
+                jobs.append((recipe.learner_command(learner, int(seed)), logs / f"{name}.log"))
+    if "eval" in a.stages:
+        evals = {"expert": "expert", "random": "random", "zero-shot": a.model,
+                 "sft": str(recipe.sft_model())}  # fmt: skip
+        evals.update({n: str(recipe.runs / n) for n in recipe.run_names()})
+        for name, agent in evals.items():
+            if not recipe.eval_done(name):
+                jobs.append((recipe.eval_command(name, agent), logs / f"eval-{name}.log"))
+    # training runs first (evaluations of learners need their checkpoints): two pools
+    train_jobs = [j for j in jobs if " train " in f" {' '.join(j[0])} "]
+    eval_jobs = [j for j in jobs if j not in train_jobs]
+    for batch in (train_jobs, eval_jobs):
+        with ThreadPoolExecutor(max_workers=max(1, a.jobs)) as pool:
+            list(pool.map(lambda j: run(j[0], j[1], dry), batch))
+    if "report" in a.stages and not dry:
+        from reference_report import write_report
+
+        copy_results(recipe)
+        write_report(recipe.runs, recipe.out, learners=a.learners, seeds=a.seeds)
+    print(f"done in {(time.time() - t0) / 3600:.2f} h")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    raise SystemExit(main())
