@@ -112,6 +112,10 @@ def configure(p: argparse.ArgumentParser) -> None:
     p.add_argument("--executor-options", type=_json_dict, default={},
                    help="the executor's keyword arguments (JSON)")  # fmt: skip
     p.add_argument("--episode-timeout", type=_positive(float), help="seconds per episode")
+    p.add_argument("--max-episode-tokens", type=_positive(int),
+                   help="model agents: cut an episode once its actions' generated "
+                   "tokens reach N (outcome token_limit; an endpoint returns text, not "
+                   "tokens: cap its replies with --max-tokens)")  # fmt: skip
     p.add_argument("--retries", type=int, default=2,
                    help="retries of an episode after an infrastructure error (2)")  # fmt: skip
     p.add_argument("--threads", type=_positive(int), help="model agents: torch threads")
@@ -261,6 +265,7 @@ def run(args: argparse.Namespace) -> int:
             episodes_per_task=args.episodes_per_task, seed=args.seed, max_envs=args.max_envs,
             executor=args.executor, executor_options=args.executor_options,
             episode_timeout_s=args.episode_timeout, retries=args.retries, resume=args.resume,
+            max_episode_tokens=args.max_episode_tokens,
             progress=not args.no_progress,
         ),  # fmt: skip
     )

@@ -21,7 +21,8 @@ An env agent (the scripted experts) plays each episode in-process beside its env
 env's own grader, defences on.
 
 Each episode ends in exactly one outcome (:data:`OUTCOMES`): ``success``, ``failure``,
-``step_limit`` (the protocol's cap cut it), ``time_limit`` (``--episode-timeout``),
+``step_limit`` (the protocol's cap cut it), ``token_limit`` (the episode's actions reached
+``--max-episode-tokens``), ``time_limit`` (``--episode-timeout``),
 ``agent_error`` (the agent raised), or ``infra_error`` (the sandbox or the endpoint
 failed). Infrastructure errors are retried up to ``retries`` times, and ``--resume``
 tries them again; they count apart from the agent's failures and are left out of the
@@ -76,6 +77,8 @@ class EvalOptions:
             ``ray`` or ``fleet`` (:mod:`branchgym.rollout.executors`).
         executor_options: Keyword arguments of the executor.
         episode_timeout_s: Seconds per episode (None: no limit).
+        max_episode_tokens: Generated tokens per episode: a policy agent's episode is cut
+            after the action at which its actions' tokens reach this (None: no limit).
         retries: Retries of an episode that ended in an infrastructure error.
         resume: Finish the run already in the folder.
         progress: Show a progress bar.
@@ -87,6 +90,7 @@ class EvalOptions:
     executor: str = "thread"
     executor_options: dict[str, Any] = dataclasses.field(default_factory=dict)
     episode_timeout_s: float | None = None
+    max_episode_tokens: int | None = None
     retries: int = 2
     resume: bool = False
     progress: bool = True
@@ -99,6 +103,10 @@ class EvalOptions:
             raise OptionError(f"--max-envs must be >= 1; got {self.max_envs}")
         if self.retries < 0:
             raise OptionError(f"--retries must be >= 0; got {self.retries}")
+        if self.max_episode_tokens is not None and self.max_episode_tokens < 1:
+            raise OptionError(
+                f"--max-episode-tokens must be >= 1; got {self.max_episode_tokens}"
+            )
         if self.episode_timeout_s is not None and not self.episode_timeout_s > 0:
             raise OptionError(f"--episode-timeout must be > 0 s; got {self.episode_timeout_s}")
 
@@ -191,6 +199,7 @@ def episode_record(
     seconds: float,
     retries: int = 0,
     error: str | None = None,
+    max_tokens: int | None = None,
 ) -> dict[str, Any]:
     """The line ``episodes.jsonl`` keeps for one episode (its tree has one rollout)."""
     paths = tree.paths()
@@ -209,6 +218,13 @@ def episode_record(
         outcome = "success"
     elif nodes and nodes[-1].truncated and len(nodes) >= protocol.max_steps:
         outcome = "step_limit"
+    elif (
+        nodes
+        and nodes[-1].truncated
+        and max_tokens is not None
+        and sum(n.token_ids.size for n in nodes) >= max_tokens
+    ):
+        outcome = "token_limit"
     else:
         outcome = "failure"
     invalid = sum(
@@ -309,6 +325,7 @@ def _policy_episodes(
                 recipe, policy, 1, seed=task.seed, options=task.options or None,
                 executor=executor, max_steps=protocol.max_steps,
                 rng=_rng(opts.seed, index, attempt), tree_timeout=opts.episode_timeout_s,
+                max_tokens=opts.max_episode_tokens,
             )  # fmt: skip
             on_done(tree, task, attempt, time.perf_counter() - t0, None)
         except Exception as exc:  # noqa: BLE001 - recorded per episode, retried when infra
@@ -441,6 +458,7 @@ def _check_resume(out: Path, run_doc: dict[str, Any]) -> None:
             ("agent configuration", ("agent", "config_hash")),
             ("episodes per task", ("episodes_per_task",)),
             ("seed", ("seed",)),
+            ("token limit", ("limits", "max_episode_tokens")),
         )
         if functools.reduce(lambda d, k: d.get(k) if isinstance(d, dict) else None, key, old)
         != functools.reduce(lambda d, k: d.get(k) if isinstance(d, dict) else None, key, run_doc)
@@ -477,7 +495,8 @@ def run_eval(
                   "config_hash": agent.config_hash},  # fmt: skip
         "episodes_per_task": opts.episodes_per_task,
         "seed": opts.seed,
-        "limits": {"max_steps": protocol.max_steps, "episode_timeout_s": opts.episode_timeout_s},
+        "limits": {"max_steps": protocol.max_steps, "episode_timeout_s": opts.episode_timeout_s,
+                   "max_episode_tokens": opts.max_episode_tokens},  # fmt: skip
         "concurrency": {"max_envs": opts.max_envs, "executor": opts.executor},
         "provenance": provenance(),
         "started": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
@@ -522,7 +541,8 @@ def run_eval(
                     error: str | None, _w: _Writer = writer) -> None:  # fmt: skip
             key = (task.id, attempt)
             rec = episode_record(tree, task, attempt, protocol, seconds=seconds,
-                                 retries=tries.get(key, 0), error=error)  # fmt: skip
+                                 retries=tries.get(key, 0), error=error,
+                                 max_tokens=opts.max_episode_tokens)  # fmt: skip
             if rec["outcome"] == "infra_error":
                 tries[key] = tries.get(key, 0) + 1
             _w.write(tree, rec)

@@ -16,7 +16,15 @@ from branchgym.evaluation.stats import mean_interval, pass_at_k, pass_hat_k, tas
 __all__ = ["OUTCOMES", "report_markdown", "summarise"]
 
 #: Every episode ends in one of these.
-OUTCOMES = ("success", "failure", "step_limit", "time_limit", "agent_error", "infra_error")
+OUTCOMES = (
+    "success",
+    "failure",
+    "step_limit",
+    "token_limit",
+    "time_limit",
+    "agent_error",
+    "infra_error",
+)
 
 
 def summarise(run_doc: dict[str, Any], episodes: list[dict[str, Any]]) -> dict[str, Any]:

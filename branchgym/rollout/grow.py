@@ -201,9 +201,11 @@ class _Engine:
         max_steps: int,
         tree: RolloutTree,
         tree_timeout: float | None = None,
+        max_tokens: int | None = None,
     ) -> None:
         self.spec, self.ex, self.policy, self.rng = spec, ex, policy, rng
         self.max_steps = max_steps
+        self.max_tokens = max_tokens
         self.tree = tree
         self.live: dict[int, SnapshotRef] = {}
         self.tree_timeout = tree_timeout
@@ -370,6 +372,9 @@ class _Engine:
                 )
                 if not node.done and ln.context.step >= self.max_steps:
                     node.truncated = True
+                if not node.done and self.max_tokens is not None:
+                    spent = sum(len(t.token_ids) for t in ln.context.turns)
+                    node.truncated = spent >= self.max_tokens
                 if node.done:
                     if out.error is None:
                         self.ex.close([ln.session])
@@ -804,12 +809,19 @@ def group_rollouts(
     max_concurrent: int | None = None,
     gamma: float = 1.0,
     tree_timeout: float | None = DEFAULT_TREE_TIMEOUT,
+    max_tokens: int | None = None,
 ) -> RolloutTree:
     """N independent rollouts from the reset state (GRPO/RLOO's topology), as one tree.
 
     The tree's root is a branch point with N siblings; no snapshot is taken (every
-    rollout resets with ``seed``). Arguments are those of :func:`grow_tree`.
+    rollout resets with ``seed``). Arguments are those of :func:`grow_tree`, and
+    ``max_tokens``: truncate a rollout after the decision at which its actions' tokens
+    reach this many (None: no limit).
     """
+    if max_tokens is not None and (
+        isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 1
+    ):
+        raise ValueError(f"max_tokens must be a positive int or None, got {max_tokens!r}")
     check_options(
         n=n, max_steps=max_steps, max_concurrent=max_concurrent, gamma=gamma, seed=seed,
         tree_timeout=tree_timeout,
@@ -820,7 +832,9 @@ def group_rollouts(
     spec, ex, owned = _resolve(env, executor, **(executor_options or {}))
     wall0 = time.perf_counter()
     tree = RolloutTree(spec.id, seed, gamma=gamma)
-    eng = _Engine(spec, ex, policy, rng, _max_steps(spec, max_steps), tree, tree_timeout)
+    eng = _Engine(
+        spec, ex, policy, rng, _max_steps(spec, max_steps), tree, tree_timeout, max_tokens
+    )
     todo = collections.deque(range(n))
     capacity = _capacity(max_concurrent, ex)
 

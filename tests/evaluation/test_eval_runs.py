@@ -311,6 +311,28 @@ def test_webshop_expert_scores_and_random_is_worse(tmp_path):
     assert e["metrics"]["score"]["mean"] == pytest.approx(100 * e["metrics"]["return"]["mean"])
 
 
+@pytest.mark.slow
+def test_a_token_cap_cuts_episodes_as_token_limit_and_binds_resume(tmp_path):
+    pytest.importorskip("torch")
+    proto = get_protocol("texttree-ci").resolve(tasks=3)
+    agent = make_agent("tiny", proto.env_id, max_new_tokens=8, policy="generate")
+    s = run_eval(proto, agent, tmp_path / "cap",
+                 EvalOptions(progress=False, max_episode_tokens=1))  # fmt: skip
+    eps = [json.loads(x) for x in (tmp_path / "cap" / "episodes.jsonl").open()]
+    assert [e["outcome"] for e in eps] == ["token_limit"] * 3  # the maze needs 3 moves
+    assert all(e["steps"] == 1 and e["generated_tokens"] >= 1 for e in eps)
+    assert s["counts"]["token_limit"] == 3 and "token_limit 3" in (
+        tmp_path / "cap" / "report.md"
+    ).read_text()
+    free = run_eval(proto, agent, tmp_path / "free", EvalOptions(progress=False))
+    assert free["counts"]["token_limit"] == 0 and free["cost"]["env_steps"] > 3
+    with pytest.raises(OptionError, match="token limit"):
+        run_eval(proto, agent, tmp_path / "cap",
+                 EvalOptions(progress=False, resume=True, max_episode_tokens=5))  # fmt: skip
+    with pytest.raises(OptionError, match="--max-episode-tokens must be >= 1"):
+        run_eval(proto, agent, tmp_path / "x", EvalOptions(max_episode_tokens=0))
+
+
 def tiny_agent_policy() -> str:
     return make_agent("tiny", "branchgym/TextTreeMDP-v0", max_new_tokens=8).config["policy"]
 
