@@ -255,6 +255,11 @@ def _observation(answer: dict[str, Any]) -> tuple[Any, float, bool, bool, dict[s
     )
 
 
+#: Error codes of a connection the server closed (or that broke), after which a fresh
+#: request may reconnect (:meth:`RemoteEnv._fresh_request`).
+_REOPEN_CODES = ("IDLE_TIMEOUT", "CONNECTION_LOST")
+
+
 class RemoteEnv(SnapshottableEnv):
     """An env served by ``branchgym serve``, used as if it were local.
 
@@ -289,8 +294,13 @@ class RemoteEnv(SnapshottableEnv):
         if not url:
             raise OptionError(f"RemoteEnv needs the server's URL: pass url= or set ${URL_ENV}")
         token = token if token is not None else os.environ.get(_TOKEN_ENV)
-        self._conn = Connection(url, token, timeout=timeout, connect_timeout=connect_timeout)
+        self._dial = functools.partial(
+            Connection, url, token, timeout=timeout, connect_timeout=connect_timeout
+        )
+        self._conn = self._dial()
         self._finalizer = weakref.finalize(self, self._conn.close)
+        self._closed_by_user = False
+        self.reopened = 0
         try:
             info = self._conn.request({"type": "info"})["data"]
         except BaseException:
@@ -319,7 +329,7 @@ class RemoteEnv(SnapshottableEnv):
         data: dict[str, Any] = {"seed": None if seed is None else int(seed)}
         if options:
             data["options"] = encode(options)
-        answer = self._conn.request({"type": "reset", "data": data})
+        answer = self._fresh_request({"type": "reset", "data": data})
         self.session = answer.get("session")
         self.step_index = 0
         obs, _, _, _, info = _observation(answer)
@@ -333,7 +343,42 @@ class RemoteEnv(SnapshottableEnv):
 
     def close(self) -> None:
         """Close the connection: the server releases this env's session and snapshots."""
+        self._closed_by_user = True
         self._conn.close()
+
+    def _fresh_request(self, message: dict[str, Any]) -> dict[str, Any]:
+        """A request that starts a new episode state (reset, restoring portable bytes).
+
+        It needs nothing the server held for this env, so when the server closed the
+        connection in the meantime (its idle timeout, while an executor's pool kept this
+        env for later) the env reconnects once and sends it again. Calls that need the
+        session (step, snapshot, restoring a server-held id) keep raising: that state is
+        gone with the connection.
+        """
+        if self._closed_by_user:
+            raise RemoteError(f"this RemoteEnv of {self.url} was closed", "CONNECTION_LOST")
+        if not self._conn.closed:
+            try:
+                return self._conn.request(message)
+            except RemoteError as exc:
+                if exc.code not in _REOPEN_CODES:
+                    raise
+        self._reopen()
+        return self._conn.request(message)
+
+    def _reopen(self) -> None:
+        """A new connection to the same server URL (its snapshot ids may have changed)."""
+        self._conn.close()
+        self._finalizer.detach()
+        self._conn = self._dial()
+        self._finalizer = weakref.finalize(self, self._conn.close)
+        self.reopened += 1
+        try:
+            info = self._conn.request({"type": "info"})["data"]
+        except BaseException:
+            self._conn.close()
+            raise
+        self.server_id = info["server_id"]  # a restarted server has a new one
 
     # -- snapshots -----------------------------------------------------------------------
     def snapshot(self) -> Snapshot:
@@ -384,7 +429,11 @@ class RemoteEnv(SnapshottableEnv):
                 f"a {snapshot.kind!r} snapshot of {snapshot.env_id} was not taken by a served "
                 "env; restore it into the kind of env that took it."
             )
-        answer = self._conn.request({"type": "restore", "data": data})
+        message = {"type": "restore", "data": data}
+        if "blob" in data:  # the bytes hold the state: no session needed
+            answer = self._fresh_request(message)
+        else:
+            answer = self._conn.request(message)
         self.session = answer.get("session")
         self.step_index = snapshot.step
         obs, _, _, _, info = _observation(answer)

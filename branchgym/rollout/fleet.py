@@ -9,7 +9,10 @@ travel as one ``batch`` message and run there concurrently; the servers run in p
 A server that dies, or does not answer within ``timeout``, is dropped: the calls in
 flight there, and every later call on its sessions and snapshots, come back as errors
 with the reason (the tree records them as error leaves, as with a dead worker process),
-and new rollouts go to the servers still alive.
+and new rollouts go to the servers still alive. A dropped server (or one unreachable at
+the start) is dialled again at most every ``reconnect_interval`` seconds when a new
+rollout is placed; once it answers, new rollouts go to it again (what it held before is
+gone: a restarted server starts empty).
 
 ``FleetExecutor(["ws://a:8000", "ws://b:8000"], token=...)`` from a list of URLs, or
 :meth:`FleetExecutor.on_ray` to start the servers as Ray actors on a cluster.
@@ -23,6 +26,7 @@ import os
 import pickle
 import socket
 import threading
+import time
 from collections.abc import Sequence
 from concurrent import futures
 from typing import Any
@@ -47,6 +51,11 @@ class FleetExecutor(Executor):
         portable: Snapshots of picklable envs travel as signed bytes (any server with
             the same ``$BRANCHGYM_SNAPSHOT_KEY`` restores them) instead of server ids.
         connect_timeout: Seconds to connect to each server.
+        reconnect_interval: Seconds between attempts to reconnect to a dropped server
+            (each attempt waits at most ``min(connect_timeout, 2)`` s); None: never.
+
+    Attributes:
+        reconnects: Servers brought back after they were dropped.
     """
 
     name = "fleet"
@@ -60,9 +69,18 @@ class FleetExecutor(Executor):
         timeout: float | None = DEFAULT_TIMEOUT,
         portable: bool = False,
         connect_timeout: float = 10.0,
+        reconnect_interval: float | None = 5.0,
     ) -> None:
         """Connect to every server (unreachable ones are dropped; none reachable raises)."""
         super().__init__(timeout)
+        if reconnect_interval is not None and not reconnect_interval > 0:
+            raise ExecutorError(
+                f"reconnect_interval must be positive seconds or None, got {reconnect_interval!r}"
+            )
+        self.reconnect_interval = reconnect_interval
+        self.connect_timeout = connect_timeout
+        self.reconnects = 0
+        self._retry_at: dict[int, float] = {}
         if isinstance(urls, str) or not urls:
             raise ExecutorError(
                 f"FleetExecutor takes a non-empty list of server URLs, got {urls!r}"
@@ -86,6 +104,7 @@ class FleetExecutor(Executor):
                 self._conns[w] = conn
             except RemoteError as exc:
                 self._dead[w] = f"server {url} unreachable: {exc.code}: {exc}"
+                self._schedule_retry(w)
         if len(self._dead) == len(self.urls):
             raise ExecutorError(
                 "no server of the fleet answered: "
@@ -116,7 +135,32 @@ class FleetExecutor(Executor):
             or None
         )
 
+    def _schedule_retry(self, w: int) -> None:
+        if self.reconnect_interval is not None:
+            self._retry_at[w] = time.monotonic() + self.reconnect_interval
+
+    def _revive(self) -> None:
+        """Dial the dropped servers whose retry time has come; the ones that answer are back."""
+        now = time.monotonic()
+        for w in [w for w in self._dead if self._retry_at.get(w, float("inf")) <= now]:
+            try:
+                conn = Connection(
+                    self.urls[w], self.token, timeout=self.timeout,
+                    connect_timeout=min(self.connect_timeout, 2.0),
+                )  # fmt: skip
+                info = conn.request({"type": "info"})["data"]
+            except RemoteError:
+                self._schedule_retry(w)
+                continue
+            self._conns[w], self._info[w] = conn, info
+            self._orphans.pop(w, None)  # the sessions they named died with the old server
+            del self._dead[w]
+            self._retry_at.pop(w, None)
+            self.reconnects += 1
+
     def _place(self, ref: Any) -> int:
+        if self._dead and self._retry_at:
+            self._revive()
         live = [w for w in range(len(self.urls)) if w not in self._dead]
         if not live:
             return 0  # every server is gone: the call reports why
@@ -242,6 +286,7 @@ class FleetExecutor(Executor):
         """Drop server ``w``; ``why`` is what its calls report. Its sessions and snapshots go."""
         conn, self._conns[w] = self._conns[w], None
         self._dead.setdefault(w, why)
+        self._schedule_retry(w)
         if conn is not None:
             conn.close()
         for sid, where in list(self._where.items()):

@@ -459,3 +459,69 @@ def test_a_server_killed_under_remote_envs_gives_error_leaves(servers):
     assert all("RemoteError" in n.error or "lost" in n.error for n in failed), [
         n.error for n in failed
     ]
+
+
+def test_a_fleet_server_that_comes_back_is_used_again(servers):
+    """A dropped server is dialled again; once it answers, new trees go to it."""
+    from urllib.parse import urlparse
+
+    spec = EnvRecipe(TEXT, NOISY)
+    first = ServerProcess(TEXT, NOISY, token=TOKEN).start()
+    url = first.wait_ready()
+    back = None
+    fleet = FleetExecutor([url, servers["main"].url], token=TOKEN, reconnect_interval=0.2)
+    try:
+        first.kill()
+        with pytest.raises(RuntimeError, match="lost"):  # its root reset went to the dead one
+            grow(spec, fleet, seed=0)
+        assert fleet.servers == [servers["main"].url]
+        calm = grow(spec, fleet, seed=1)  # the next tree goes to the survivor
+        assert calm.stats.errors == 0 and fleet.reconnects == 0
+        port = urlparse(url).port
+        back = ServerProcess(TEXT, NOISY, token=TOKEN, options={"port": port}).start()
+        assert back.wait_ready() == url
+        time.sleep(0.3)  # past the reconnect interval
+
+        def resets():
+            return [s["messages"].get("reset", 0) if s else None for s in fleet.stats()]
+
+        again = grow(spec, fleet, seed=2)
+        assert again.stats.errors == 0
+        assert fleet.reconnects == 1 and fleet.servers == [url, servers["main"].url]
+        assert summary(again) == summary(grow(spec, None, seed=2))
+        assert resets()[0] > 0  # the tree was grown on the server that came back
+    finally:
+        fleet.shutdown()
+        first.stop()
+        if back is not None:
+            back.stop()
+
+
+def test_pooled_remote_envs_outlive_the_servers_idle_timeout(servers):
+    """The server closes idle connections; a pooled env reconnects on its next reset."""
+    tight = servers["tight"]  # 3 s idle timeout
+    spec = EnvRecipe("remote", factory=functools.partial(remote, tight))
+    pool = InProcessExecutor(max_instances=1)
+    try:
+        first = grow(spec, pool, m=1, k=2)
+        time.sleep(4.5)  # the pooled env's connection passes the idle timeout
+        again = grow(spec, pool, m=1, k=2)
+        assert again.stats.errors == 0 and summary(again) == summary(first)
+    finally:
+        pool.shutdown()
+    env = remote(tight)
+    try:
+        env.reset(seed=0)
+        time.sleep(4.5)
+        with pytest.raises(RemoteError) as err:  # the session's state went with it
+            env.step("go north")
+        assert err.value.code in ("IDLE_TIMEOUT", "CONNECTION_LOST")
+        obs, info = env.reset(seed=0)  # a new episode needs nothing the server held
+        assert env.reopened == 1 and info["admissible_actions"]
+        env.step(info["admissible_actions"][0])
+    finally:
+        env.close()
+    with pytest.raises(RemoteError, match="was closed"):
+        env.reset(seed=0)
+    stats = wait_for(lambda: (s := stats_of(tight))["sessions"] == 0 and s)
+    assert stats["sessions"] == 0
