@@ -47,6 +47,7 @@ from branchgym.error import OptionError
 from branchgym.rollout.policy import ActionSample, ActRequest, Policy
 
 __all__ = [
+    "DTYPES",
     "Agent",
     "FunctionPolicy",
     "POLICY_CHOICES",
@@ -55,6 +56,12 @@ __all__ = [
     "make_agent",
     "predictions_agent",
 ]
+
+#: ``--dtype`` of model agents: the weights' type while they act. ``bfloat16`` is a
+#: deviation from the policy as trained in float32 (its log-probs differ in the third
+#: digit) that acts about 1.7x faster on CPUs with AVX512-BF16; it is in the agent's
+#: configuration, so runs in the two types are never resumed into each other.
+DTYPES = ("float32", "bfloat16")
 
 #: ``--policy`` of model agents: ``generate`` (free generation, parsed), ``scoring`` (the
 #: softmax over the admissible actions' log-probs), ``auto`` (what the train run used).
@@ -180,7 +187,9 @@ def _run_args(folder: Path) -> dict[str, Any]:
     return {}
 
 
-def _model_agent(spec: str, *, max_new_tokens: int, threads: int | None, policy: str) -> Agent:
+def _model_agent(
+    spec: str, *, max_new_tokens: int, threads: int | None, policy: str, dtype: str
+) -> Agent:
     from branchgym.agents.engines.hf import HFEngine
     from branchgym.agents.policies.models import load_model
     from branchgym.agents.policies.policy import LLMPolicy
@@ -188,6 +197,8 @@ def _model_agent(spec: str, *, max_new_tokens: int, threads: int | None, policy:
 
     if policy not in POLICY_CHOICES:
         raise OptionError(f"--policy {policy!r}: use one of {', '.join(POLICY_CHOICES)}")
+    if dtype not in DTYPES:
+        raise OptionError(f"--dtype {dtype!r}: use one of {', '.join(DTYPES)}")
     name = spec[3:] if spec.startswith("hf:") else spec
     config: dict[str, Any] = {"kind": "model", "max_new_tokens": max_new_tokens}
     run_args: dict[str, Any] = {}
@@ -210,7 +221,11 @@ def _model_agent(spec: str, *, max_new_tokens: int, threads: int | None, policy:
     config["policy"] = policy
     if policy == "scoring":
         config["scoring_template"] = template
-    model, tok = load_model(source)
+    if dtype != "float32":  # float32 runs keep the config (and hash) they always had
+        config["dtype"] = dtype
+    import torch
+
+    model, tok = load_model(source, dtype=getattr(torch, dtype))
     engine = HFEngine(model, tok, max_new_tokens=max_new_tokens, threads=threads)
     if policy == "scoring":
         acting: Any = ScoringPolicy(engine, template=template)
@@ -260,6 +275,7 @@ def make_agent(
     max_concurrent_requests: int = 8,
     threads: int | None = None,
     policy: str = "auto",
+    dtype: str = "float32",
 ) -> Agent:
     """Resolve ``spec`` for ``env_id`` (see the module's table).
 
@@ -276,13 +292,14 @@ def make_agent(
         policy: How a model agent acts (:data:`POLICY_CHOICES`): ``auto`` plays a train
             run's checkpoint with the policy it trained (``scoring`` or ``generate``),
             ``tiny`` with ``scoring`` and any other model with ``generate``.
+        dtype: A model agent's weight type (:data:`DTYPES`).
     """
     kind = agent_kind(spec)
     sampling = dict(sampling or {})
-    if policy != "auto" and kind != "model":
+    if (policy != "auto" or dtype != "float32") and kind != "model":
         raise OptionError(
-            f"--policy is for model agents (a model folder, train run, tiny or smollm2); "
-            f"{spec!r} is a {kind} agent"
+            f"--policy and --dtype are for model agents (a model folder, train run, tiny or "
+            f"smollm2); {spec!r} is a {kind} agent"
         )
     if kind != "endpoint" and (model is not None or api_key_env is not None or sampling):
         raise OptionError(
@@ -313,7 +330,9 @@ def make_agent(
     if kind == "callable":
         return _callable_agent(spec)
     if kind == "model":
-        return _model_agent(spec, max_new_tokens=max_new_tokens, threads=threads, policy=policy)
+        return _model_agent(
+            spec, max_new_tokens=max_new_tokens, threads=threads, policy=policy, dtype=dtype
+        )
     if model is None:
         raise OptionError(
             f"an endpoint agent needs --model (the name the server at {spec} serves)"

@@ -103,6 +103,9 @@ def configure(p: argparse.ArgumentParser) -> None:
                    help="model agents: generate (free replies, parsed), scoring (softmax "
                    "over the admissible actions' log-probs) or auto (what the train run "
                    "used; generate for other models)")  # fmt: skip
+    p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"),
+                   help="model agents: weight type while acting (bfloat16: about 1.7x "
+                   "faster on AVX512-BF16 CPUs, a recorded deviation)")  # fmt: skip
     p.add_argument("--max-envs", type=_positive(int), default=8,
                    help="live environments at once (8)")  # fmt: skip
     p.add_argument("--max-requests", type=_positive(int), default=8,
@@ -255,7 +258,7 @@ def run(args: argparse.Namespace) -> int:
             args.agent, env_id, model=args.model, api_key_env=args.api_key_env,
             sampling=sampling, max_new_tokens=args.max_new_tokens,
             max_concurrent_requests=args.max_requests, threads=args.threads,
-            policy=args.policy,
+            policy=args.policy, dtype=args.dtype,
         )  # fmt: skip
     summary = run_eval(
         pinned,

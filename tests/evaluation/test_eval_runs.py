@@ -233,7 +233,9 @@ def test_compare_pairs_runs_and_refuses_other_protocols(tmp_path, capsys):
         (["branchgym/TextTreeMDP-v0", "--agent", "random", "--predictions", "p.jsonl"],
          OptionError, "exactly one of"),
         (["branchgym/TextTreeMDP-v0", "--agent", "random", "--policy", "scoring"],
-         OptionError, "--policy is for model agents"),
+         OptionError, "--policy and --dtype are for model agents"),
+        (["branchgym/TextTreeMDP-v0", "--agent", "expert", "--dtype", "bfloat16"],
+         OptionError, "--policy and --dtype are for model agents"),
     ],
 )  # fmt: skip
 def test_bad_input_is_a_typed_error_that_names_the_fix(tmp_path, argv, error, message, capsys):
@@ -354,6 +356,11 @@ def test_model_folders_and_train_checkpoints_generate_through_the_engine(tmp_pat
     forced = make_agent(str(tmp_path / "sft"), proto.env_id, max_new_tokens=8,
                         policy="generate")  # fmt: skip
     assert forced.config["policy"] == "generate" and forced.config_hash != agent.config_hash
+    half = make_agent(str(tmp_path / "sft"), proto.env_id, max_new_tokens=8, dtype="bfloat16")
+    assert half.config["dtype"] == "bfloat16" and half.config_hash != agent.config_hash
+    assert "dtype" not in agent.config  # float32 keeps the configuration it always had
+    s = run_eval(proto, half, tmp_path / "half", EvalOptions(progress=False))
+    assert s["counts"]["episodes"] == 4 and s["counts"]["agent_error"] == 0
     s = run_eval(proto, agent, tmp_path / "ckpt", EvalOptions(progress=False))
     assert s["counts"]["episodes"] == 4 and s["cost"]["generated_tokens"] > 0
     with pytest.raises(OptionError, match="neither a model folder"):
