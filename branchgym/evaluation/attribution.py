@@ -36,6 +36,15 @@ with the transcript; an env that fails either is refused with
 :class:`~branchgym.error.FidelityViolation` instead of numbers built on broken forks.
 Stochastic envs give each fork its own environment randomness
 (:func:`branchgym.reseed`), so V averages over it as the episode's own success did.
+With an executor (``executor=``: threads, processes, Ray actors, served envs over the
+fleet) the forks' envs live there: the episode is replayed once in one of its sessions
+with a snapshot before each step (:class:`ExecutorStates`), and every fork restores one
+in a fresh session; the forks are the same as in-process (the same draws in the same
+order).
+
+The module is over 600 lines because the episode replay, the forks (in-process and through
+an executor), the bisection with its replication, and the fork tree the viewer draws
+share one set of per-step records; split, each piece would pass them around.
 """
 
 from __future__ import annotations
@@ -47,13 +56,14 @@ from typing import Any
 
 import numpy as np
 
-from branchgym.error import FidelityViolation, OptionError
+from branchgym.error import ExecutorError, FidelityViolation, OptionError
 from branchgym.rollout.policy import ActRequest, Context, Turn
 from branchgym.rollout.tree import SUCCESS_KEYS, RolloutTree
 
 __all__ = [
     "Attribution",
     "Episode",
+    "ExecutorStates",
     "StepValue",
     "action_kind",
     "attribute_episode",
@@ -234,6 +244,7 @@ class Episode:
         import branchgym
 
         self.tree = tree
+        self.options = options
         self.path = tree.paths()[0] if tree.paths() else []
         self.nodes = [tree[i] for i in self.path]
         env = make_env()
@@ -273,6 +284,56 @@ class Episode:
         self.env.close()
 
 
+class ExecutorStates:
+    """The episode's states held by an executor: its sessions restore them for the forks.
+
+    The episode is replayed once in one session of ``executor`` (threads, processes, Ray
+    actors, served envs over the fleet), with a snapshot before every step; its
+    observations must equal the transcript's, as in-process. The snapshots stay where
+    the executor keeps them (a worker, a server) until :meth:`close`.
+    """
+
+    def __init__(self, ep: Episode, executor: Any, recipe: Any) -> None:
+        self.executor, self.recipe = executor, recipe
+        self.refs: list[Any] = []
+        (out,) = executor.reset([recipe], [ep.tree.seed], options=ep.options)
+        _executor_ok(out, "replaying the episode")
+        sid = out.session
+        try:
+            if not _same(out.observation, ep.tree.observation):
+                raise FidelityViolation(
+                    f"the {executor.name} executor's env did not reproduce the episode's "
+                    "first observation: it must be configured as the run's env"
+                )
+            for t, node in enumerate(ep.nodes):
+                (snap,) = executor.snapshot([sid])
+                _executor_ok(snap, f"snapshotting step {t}")
+                self.refs.append(snap.snapshot)
+                (out,) = executor.step([sid], [node.action])
+                _executor_ok(out, f"replaying step {t}")
+                if not _same(out.observation, node.observation):
+                    raise FidelityViolation(
+                        f"replaying step {t} through the {executor.name} executor gave "
+                        "another observation than the transcript's"
+                    )
+        except BaseException:
+            self.close()
+            raise
+        finally:
+            executor.close([sid])
+
+    def close(self) -> None:
+        """Release the snapshots wherever they live."""
+        for ref in self.refs:
+            self.executor.release(ref)
+        self.refs = []
+
+
+def _executor_ok(out: Any, what: str) -> None:
+    if out.error is not None:
+        raise ExecutorError(f"attribution lost a sandbox while {what}: {out.error}")
+
+
 def _same(a: Any, b: Any) -> bool:
     if isinstance(a, np.ndarray) or isinstance(b, np.ndarray):
         return bool(np.array_equal(np.asarray(a), np.asarray(b)))
@@ -295,8 +356,9 @@ def forks_from(
     envs: list[Any],
     max_steps: int,
     rng: np.random.Generator,
+    states: ExecutorStates | None = None,
 ) -> tuple[int, int, int, list[list[dict[str, Any]]]]:
-    """K forks of the agent from ``s_t``.
+    """K forks of the agent from ``s_t``: in-process envs, or ``states``' executor.
 
     Returns:
         Successes, env steps, generated tokens, and each fork's decisions (as
@@ -304,19 +366,54 @@ def forks_from(
     """
     import branchgym
 
-    while len(envs) < k:
-        envs.append(make_env())
     prefix = float(sum(ep.rewards[:t]))
     lines = []
-    for j in range(k):
-        env = envs[j]
-        obs, info = branchgym.restore(env, ep.snaps[t])
-        branchgym.reseed(env, int(rng.integers(2**63)))
-        line = {"env": env, "ctx": ep.context(t), "info": dict(info), "total": prefix,
-                "done": False, "ok": False, "rng": np.random.default_rng(rng.integers(2**63)),
-                "path": [],
-                "act": agent.expert(env, rng) if agent.policy is None else None}  # fmt: skip
-        lines.append(line)
+    if states is None:
+        while len(envs) < k:
+            envs.append(make_env())
+        for j in range(k):
+            env = envs[j]
+            obs, info = branchgym.restore(env, ep.snaps[t])
+            branchgym.reseed(env, int(rng.integers(2**63)))
+            line = {"env": env, "ctx": ep.context(t), "info": dict(info), "total": prefix,
+                    "done": False, "ok": False,
+                    "rng": np.random.default_rng(rng.integers(2**63)), "path": [],
+                    "act": agent.expert(env, rng) if agent.policy is None else None}  # fmt: skip
+            lines.append(line)
+    else:
+        # the same draws in the same order as in-process: the same forks either way
+        reseeds, rngs = [], []
+        for _ in range(k):
+            reseeds.append(int(rng.integers(2**63)))
+            rngs.append(np.random.default_rng(rng.integers(2**63)))
+        ex = states.executor
+        outs = ex.restore([states.recipe] * k, [states.refs[t]] * k, reseeds=reseeds)
+        bad = next((o for o in outs if o.error is not None), None)
+        if bad is not None:
+            ex.close([o.session for o in outs if o.error is None])
+            _executor_ok(bad, f"restoring step {t}")
+        for out, r in zip(outs, rngs, strict=True):
+            lines.append({"session": out.session, "ctx": ep.context(t), "info": dict(out.info),
+                          "total": prefix, "done": False, "ok": False, "rng": r, "path": [],
+                          "act": None})  # fmt: skip
+    try:
+        steps, tokens = _play_forks(lines, t, agent, max_steps, rng, states)
+    finally:
+        if states is not None:
+            states.executor.close([ln["session"] for ln in lines if not ln["done"]])
+    paths = [ln["path"] for ln in lines]
+    return sum(1 for ln in lines if ln["ok"]), steps, tokens, paths
+
+
+def _play_forks(
+    lines: list[dict[str, Any]],
+    t: int,
+    agent: Any,
+    max_steps: int,
+    rng: np.random.Generator,
+    states: ExecutorStates | None,
+) -> tuple[int, int]:
+    """Play every fork to its end, in lockstep; env steps and generated tokens."""
     steps = tokens = 0
     for step in range(t, max_steps):
         live = [ln for ln in lines if not ln["done"]]
@@ -327,6 +424,7 @@ def forks_from(
             samples = [s[0] for s in agent.policy.act(reqs, rng)]
         else:
             samples = [None] * len(live)
+        moves = []
         for ln, sample in zip(live, samples, strict=True):
             if sample is None:
                 action = ln["act"](ln["ctx"].current_observation, ln["info"])
@@ -336,7 +434,21 @@ def forks_from(
                 ids = tuple(int(x) for x in sample.token_ids)
                 lps, ents = sample.logprobs, sample.entropies
                 tokens += len(ids)
-            obs, reward, term, trunc, info = ln["env"].step(action)
+            moves.append((action, text, ids, lps, ents))
+        if states is None:
+            results = [ln["env"].step(m[0]) for ln, m in zip(live, moves, strict=True)]
+        else:
+            outs = states.executor.step([ln["session"] for ln in live], [m[0] for m in moves])
+            for ln, out in zip(live, outs, strict=True):
+                if out.error is not None:
+                    ln["done"] = True  # its session is gone
+            bad = next((o for o in outs if o.error is not None), None)
+            if bad is not None:
+                _executor_ok(bad, f"playing a fork at step {step}")
+            results = [(o.observation, o.reward, o.terminated, o.truncated, o.info) for o in outs]
+        for ln, (action, text, ids, lps, ents), (obs, reward, term, trunc, info) in zip(
+            live, moves, results, strict=True
+        ):
             steps += 1
             ln["total"] += float(reward)
             ln["info"] = dict(info)
@@ -351,8 +463,9 @@ def forks_from(
             if term or cut:
                 ln["done"] = True
                 ln["ok"] = _succeeded(info, ln["total"])
-    paths = [ln["path"] for ln in lines]
-    return sum(1 for ln in lines if ln["ok"]), steps, tokens, paths
+                if states is not None:
+                    states.executor.close([ln["session"]])
+    return steps, tokens
 
 
 def attribute_episode(
@@ -369,6 +482,8 @@ def attribute_episode(
     alpha: float = 0.05,
     task: str = "",
     attempt: int = 0,
+    executor: Any = None,
+    recipe: Any = None,
 ) -> Attribution:
     """Measure V along one recorded episode and name its decisive step (module notes).
 
@@ -385,12 +500,30 @@ def attribute_episode(
         alpha: Level of the test that names a decisive step.
         task: The task id (for the report).
         attempt: The attempt (for the report).
+        executor: Run the forks' envs through this executor
+            (:mod:`branchgym.rollout.executors`: threads, processes, Ray, the fleet)
+            instead of in-process (None); the episode is replayed there once and its
+            snapshots stay there. A policy agent only: a scripted expert reads its env.
+        recipe: The env's :class:`~branchgym.rollout.executor_base.EnvRecipe` (with
+            ``executor``).
     """
     if mode not in ("bisect", "all"):
         raise OptionError(f"mode must be 'bisect' or 'all', got {mode!r}")
     if forks < 2:
         raise OptionError(f"forks must be at least 2 (K forks estimate V), got {forks}")
+    if executor is not None and (agent.policy is None or recipe is None):
+        raise OptionError(
+            "forks run through an executor only for policy agents with the env's recipe: a "
+            "scripted expert reads its live env, so attribute expert runs in-process"
+        )
     ep = Episode(tree, make_env, options)
+    states = None
+    if executor is not None:
+        try:
+            states = ExecutorStates(ep, executor, recipe)
+        except BaseException:
+            ep.close()
+            raise
     # each episode's forks draw their own streams: estimates of different episodes are
     # independent, and one episode's are the same whatever else is attributed
     rng = np.random.default_rng([seed, zlib.crc32(task.encode()), attempt, 0xA77])
@@ -403,14 +536,15 @@ def attribute_episode(
         fork_paths: dict[int, list[list[dict[str, Any]]]] = {}
 
         def _fresh(t: int) -> StepValue:
-            s, steps_, toks, _ = forks_from(ep, t, forks, agent, make_env, envs, max_steps, rng)
+            s, steps_, toks, _ = forks_from(ep, t, forks, agent, make_env, envs, max_steps, rng,
+                                            states)  # fmt: skip
             lo_, hi_ = _interval(s, forks, confidence)
             return StepValue(t, s, forks, lo_, hi_, steps_, toks)
 
         def value(t: int) -> StepValue:
             if t not in measured:
                 s, steps, toks, paths = forks_from(ep, t, forks, agent, make_env, envs,
-                                                   max_steps, rng)  # fmt: skip
+                                                   max_steps, rng, states)  # fmt: skip
                 fork_paths[t] = paths
                 lo, hi = _interval(s, forks, confidence)
                 measured[t] = StepValue(t, s, forks, lo, hi, steps, toks)
@@ -518,6 +652,8 @@ def attribute_episode(
     finally:
         for env in envs:
             env.close()
+        if states is not None:
+            states.close()
         ep.close()
 
 

@@ -57,6 +57,8 @@ def attribute_run(
     agent: Any = None,
     make_env: Callable[[], Any] | None = None,
     progress: bool = True,
+    executor: str | None = None,
+    executor_options: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """Attribute a ``branchgym eval`` run's episodes; writes ``attribution.jsonl`` and ``.md``.
 
@@ -71,6 +73,10 @@ def attribute_run(
         agent: The agent to fork (default: the run's own, rebuilt from ``run.json``).
         make_env: Builds the env (default: the run's protocol's env).
         progress: Show a progress bar.
+        executor: Where the forks' envs run (``thread``, ``process``, ``ray``, ``fleet``,
+            ``inprocess``: :func:`~branchgym.rollout.executors.make_executor`); None keeps
+            them in this process beside the agent (the only way for scripted experts).
+        executor_options: The executor's keyword arguments.
 
     Returns:
         The report: per episode, and where episodes are lost by step and by kind of action.
@@ -104,17 +110,33 @@ def attribute_run(
     if max_episodes is not None:
         chosen = chosen[:max_episodes]
     results = []
+    pool = None
+    if executor is not None:
+        from branchgym.rollout.executors import make_executor
+
+        if agent.policy is None:
+            raise OptionError(
+                f"the {agent.spec!r} agent reads its live env, so its forks run in-process; "
+                "drop --executor"
+            )
+        pool = make_executor(executor, **(executor_options or {}))
+    recipe = EnvRecipe(proto["env_id"], dict(proto["env_kwargs"]))
     bar = tqdm(chosen, desc="attribute", unit="episode", disable=not progress)
-    for rec in bar:
-        (tree,) = load_trees(run_dir / rec["tree"])
-        task = tasks[rec["task"]]
-        res = attribute_episode(
-            tree, agent, make_env, options=task.options or None, max_steps=proto["max_steps"],
-            forks=forks, mode=mode, seed=seed, alpha=alpha, task=rec["task"],
-            attempt=rec["attempt"],
-        )  # fmt: skip
-        results.append(res)
-        bar.set_postfix_str("no step" if res.decisive is None else f"step {res.decisive}")
+    try:
+        for rec in bar:
+            (tree,) = load_trees(run_dir / rec["tree"])
+            task = tasks[rec["task"]]
+            res = attribute_episode(
+                tree, agent, make_env, options=task.options or None,
+                max_steps=proto["max_steps"], forks=forks, mode=mode, seed=seed, alpha=alpha,
+                task=rec["task"], attempt=rec["attempt"], executor=pool,
+                recipe=recipe if pool is not None else None,
+            )  # fmt: skip
+            results.append(res)
+            bar.set_postfix_str("no step" if res.decisive is None else f"step {res.decisive}")
+    finally:
+        if pool is not None:
+            pool.shutdown()
     report = _run_report(run_doc, results, forks=forks, mode=mode, alpha=alpha)
     from branchgym.tree_format import save_trees
 

@@ -110,8 +110,9 @@ def configure(p: argparse.ArgumentParser) -> None:
                    help="live environments at once (8)")  # fmt: skip
     p.add_argument("--max-requests", type=_positive(int), default=8,
                    help="endpoint: concurrent requests (8)")  # fmt: skip
-    p.add_argument("--executor", default="thread",
-                   help="where envs run: thread, inprocess, process, ray, fleet")  # fmt: skip
+    p.add_argument("--executor", default=None,
+                   help="where envs run: thread (eval's default), inprocess, process, ray, "
+                   "fleet; attribute: the forks' envs (default: in this process)")  # fmt: skip
     p.add_argument("--executor-options", type=_json_dict, default={},
                    help="the executor's keyword arguments (JSON)")  # fmt: skip
     p.add_argument("--episode-timeout", type=_positive(float), help="seconds per episode")
@@ -197,6 +198,7 @@ def _attribute(args: argparse.Namespace) -> int:
     attribute_run(
         args.runs[0], forks=args.forks, episodes=args.episodes, mode=args.mode,
         max_episodes=args.max_episodes, seed=args.seed, progress=not args.no_progress,
+        executor=args.executor, executor_options=args.executor_options,
     )  # fmt: skip
     print((Path(args.runs[0]) / "attribution.md").read_text(), end="")
     return 0
@@ -266,7 +268,7 @@ def run(args: argparse.Namespace) -> int:
         args.out,
         EvalOptions(
             episodes_per_task=args.episodes_per_task, seed=args.seed, max_envs=args.max_envs,
-            executor=args.executor, executor_options=args.executor_options,
+            executor=args.executor or "thread", executor_options=args.executor_options,
             episode_timeout_s=args.episode_timeout, retries=args.retries, resume=args.resume,
             max_episode_tokens=args.max_episode_tokens,
             progress=not args.no_progress,

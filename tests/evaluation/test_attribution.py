@@ -206,3 +206,30 @@ def test_attribution_trees_show_forks_as_branches_and_the_value_curve_in_view(tm
     values = [v[1] for v in att["values"]]
     assert backbone_adv == pytest.approx([b - a for a, b in zip(values, values[1:], strict=False)])
     assert "valueCurve" in render_html(files[0])
+
+
+@pytest.mark.parametrize("executor", ["thread", "process"])
+def test_forks_through_an_executor_equal_the_in_process_forks(tmp_path, executor, capsys):
+    """The episode's states live in the executor's workers; the forks are the same."""
+    from branchgym.cli import main
+    from branchgym.error import OptionError
+
+    proto = get_protocol("texttree-ci").resolve(tasks=5)
+    run_eval(proto, make_agent("random", proto.env_id), tmp_path, EvalOptions(progress=False))
+    attribute_run(tmp_path, forks=6, episodes="all", mode="all", progress=False)
+    local = [json.loads(x) for x in (tmp_path / "attribution.jsonl").open()]
+    assert main(["eval", "attribute", str(tmp_path), "--forks", "6", "--episodes", "all",
+                 "--mode", "all", "--executor", executor, "--no-progress",
+                 "--executor-options", '{"n_workers": 2}'])  == 0  # fmt: skip
+    remote = [json.loads(x) for x in (tmp_path / "attribution.jsonl").open()]
+    assert [r["values"] for r in remote] == [r["values"] for r in local]
+    assert [r["decisive"] for r in remote] == [r["decisive"] for r in local]
+    # every step forked (mode all), plus the replications of decisive steps
+    assert sum(v["forks"] for r in remote for v in r["values"]) >= 6 * sum(
+        r["length"] for r in local
+    )
+    capsys.readouterr()
+    expert_run = tmp_path / "expert"
+    run_eval(proto, make_agent("expert", proto.env_id), expert_run, EvalOptions(progress=False))
+    with pytest.raises(OptionError, match="forks run in-process"):
+        attribute_run(expert_run, forks=2, episodes="all", executor=executor, progress=False)
