@@ -97,6 +97,9 @@ class RunUpdate:
         """
         seqs = []
         for row in rows:
+            if not row.decisions:  # nothing to score (an SFT episode with no label): no pass
+                seqs.append([])
+                continue
             packs, _ = self.kind.packs(self.policy, self.kind.runs(self.policy, row))
             seqs.append([t for p in packs for t in p.tokens])
         costs = []

@@ -803,3 +803,27 @@ def test_an_env_step_budget_stops_runs_of_any_shape_at_matched_env_steps(tmp_pat
     assert [h["step"] for h in resumed.history if "env/steps" in h] == steps[1:]
     with pytest.raises(TrainingConfigError, match="max_env_steps must be an integer >= 0"):
         train("grpo", out_dir=str(tmp_path / "bad"), max_env_steps=-1, **TINY)
+
+
+def test_sft_with_a_token_budget_skips_episodes_without_a_label(tmp_path, monkeypatch):
+    """An episode with no scorable expert step has no decision: no tokens, no crash.
+
+    (WebShop's shopper searches with its own query, which the scoring policy cannot
+    score; an episode cut after that step had no label and crashed the token budget.)
+    """
+    from branchgym.agents.policies import experts
+
+    real = experts.EXPERTS["treemdp"]
+
+    def sometimes_lost(env, rng):
+        act = real(env, rng)
+        lost = rng.random() < 0.5
+        return (lambda obs, info: "go nowhere") if lost else act
+
+    monkeypatch.setitem(experts.EXPERTS, "treemdp", sometimes_lost)
+    opts = {k: v for k, v in TINY.items() if k != "prompts_per_step"}
+    result = train("sft", out_dir=str(tmp_path / "s"), steps=2, episodes=8, batch_episodes=8,
+                   noise=0.0, micro_batch_tokens=64, **opts)  # fmt: skip
+    lines = [h for h in result.history if "sft/labelled_steps" in h]
+    assert len(lines) == 2
+    assert 0 < lines[0]["sft/unscorable_steps"] and lines[0]["sft/labelled_steps"] > 0
