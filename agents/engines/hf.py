@@ -782,6 +782,8 @@ class HFEngine:
         if not real:
             return out
         cache, last = self._prefill(list(prompt), use_cache=self.prefix_cache_entries > 0)
+        if cache is None:  # the model keeps no cache (gradient checkpointing in train mode)
+            return self._score_uncached(list(prompt), comps, out)
         n_prompt = len(prompt)
         prompt_kv = [
             (lay.keys[:, :, :n_prompt], lay.values[:, :, :n_prompt]) for lay in cache.layers
@@ -809,6 +811,24 @@ class HFEngine:
                     chosen.cpu().numpy().astype(np.float32),
                     ent.cpu().numpy().astype(np.float32),
                 )
+        return out
+
+    def _score_uncached(
+        self,
+        prompt: list[int],
+        comps: list[list[int]],
+        out: list[tuple[np.ndarray, np.ndarray]],
+    ) -> list[tuple[np.ndarray, np.ndarray]]:
+        """:meth:`score` by one whole forward pass per completion (no cache to extend)."""
+        for i, comp in enumerate(comps):
+            if not comp:
+                continue
+            ids = torch.tensor([prompt + comp[:-1]], device=self.device)
+            logits = self.model(input_ids=ids, use_cache=False).logits[0, len(prompt) - 1 :]
+            lp, ent, _ = _stats(logits, self.topk)
+            idx = torch.tensor(comp, device=lp.device)
+            chosen = lp.gather(-1, idx[:, None])[:, 0]
+            out[i] = (chosen.cpu().numpy().astype(np.float32), ent.cpu().numpy().astype(np.float32))
         return out
 
     def decode(self, ids: Sequence[int]) -> str:

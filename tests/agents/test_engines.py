@@ -91,6 +91,17 @@ def test_score_batches_candidates_of_any_length_exactly(engine, tiny, monkeypatc
             want = direct.gather(-1, torch.tensor(c)[:, None])[:, 0].numpy()
             np.testing.assert_allclose(lp, want, atol=1e-4)
             np.testing.assert_allclose(ent, -(direct.exp() * direct).sum(-1).numpy(), atol=1e-4)
+    # a model that keeps no cache (gradient checkpointing in train mode) is scored whole
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    model.train()
+    try:
+        uncached = HFEngine(model, engine.tokenizer, prefix_cache_entries=0).score(p, cands)
+    finally:
+        model.gradient_checkpointing_disable()
+        model.eval()
+    for c, (lp, _), (want, _) in zip(cands, uncached, out, strict=True):
+        np.testing.assert_allclose(lp, want, atol=1e-4)
+        assert len(lp) == len(c)
 
 
 def test_room_cache_holds_what_a_dynamic_cache_holds():
