@@ -271,20 +271,28 @@ def flat_forward(base: Any, packs: Sequence[Any], device: torch.device) -> Tenso
     return out.last_hidden_state[0]
 
 
-_SUPPORT: dict[type, bool] = {}
+_SUPPORT: dict[tuple[type, tuple[str, ...]], bool] = {}
 
 
 def flat_supported(model: Any, base: Any) -> bool:
     """Whether :func:`flat_forward` computes ``model`` (through ``base``) exactly.
 
-    Probed once per model class: a three-token tree through the flat read must run the
-    tree attention in every layer and give the dense causal pass's hidden states.
+    Probed once per model class and attention configuration (sliding windows, soft caps
+    and the attention implementation differ between models of one class): a three-token
+    tree through the flat read must run the tree attention in every layer and give the
+    dense causal pass's hidden states.
     """
     if not _REGISTERED or base is None or not hasattr(base, "config"):
         return False
     if getattr(model, "is_gradient_checkpointing", False) and model.training:
         return False
-    kind = type(base)
+    cfg = base.config
+    settings = tuple(
+        repr(getattr(cfg, name, None))
+        for name in ("sliding_window", "use_sliding_window", "layer_types",
+                     "attn_logit_softcapping", "_attn_implementation")
+    )  # fmt: skip
+    kind = (type(base), settings)
     if kind not in _SUPPORT:
         _SUPPORT[kind] = _probe(base)
     return _SUPPORT[kind]

@@ -41,6 +41,7 @@ __all__ = [
     "MasterWeights",
     "MemoryPlan",
     "ModelShape",
+    "attention_path",
     "estimate",
     "measure_peak",
     "model_shape",
@@ -251,6 +252,7 @@ def estimate(
     masked: bool = True,
     reference: bool = False,
     device: str = "cuda",
+    path: str | None = None,
 ) -> MemoryPlan:
     """The :class:`MemoryPlan` of one optimizer update with micro-batches of ``tokens``.
 
@@ -264,7 +266,13 @@ def estimate(
         tokens: Tokens of one forward/backward pass (``micro_batch_tokens``).
         targets: Scored tokens of that pass (the ones the output layer sees; default all).
         longest: Longest sequence of the pass (its attention mask is ``longest**2``).
-        masked: Whether the pass uses a 4-D mask (tree packing, the scoring policy).
+        masked: Whether the pass has side branches (tree packing, the scoring policy), so
+            its attention is masked per pair of tokens.
+        path: The attention path of such a pass (:func:`attention_path`): ``flat`` (tree
+            attention per piece: its padded piece masks, bounded by the dense mask's
+            pairs), ``levels`` (a key/value-cache read or the dense mask, whichever
+            ``best_cut`` prices lower: the dense mask bounds it) or ``dense`` (one 4-D
+            mask); default ``dense`` when ``masked``.
         reference: A KL reference model is held (with LoRA it costs nothing: the base
             model with the adapters off).
         device: ``cuda`` or ``cpu`` (autocast only happens on CUDA).
@@ -304,7 +312,14 @@ def estimate(
         layers = shape.layers * (per_layer + attention)
         how = f"{shape.layers} layers kept for backward"
     if masked:
-        how += f", 4-D mask {longest}^2"
+        path = path or "dense"
+        how += {
+            "flat": f", tree attention per piece (at most {longest}^2 pairs)",
+            "levels": f", cache reads or a 4-D mask {longest}^2",
+            "dense": f", 4-D mask {longest}^2",
+        }[path]
+    else:
+        path = "causal"
     parts.append((f"activations ({tokens} tok)", layers, how))
     head = targets * shape.vocab * (compute + 4) + tokens * shape.hidden * (compute + 4)
     parts.append(("logits", head, f"{targets} scored tokens x vocab, float32 log-softmax"))
@@ -315,10 +330,44 @@ def estimate(
         "lora": lora,
         "gradient_checkpointing": gradient_checkpointing,
         "micro_batch_tokens": tokens,
-        "4-D mask": masked,
+        "attention": path,
         "KL reference": reference,
     }
     return MemoryPlan(shape, settings, parts)
+
+
+def attention_path(name: str, gradient_checkpointing: bool = False) -> str:
+    """The attention path the learners' packed forward takes for model ``name``.
+
+    The forward decides it per model (:func:`~branchgym.agents.forward.packed.packed_forward`):
+    ``flat`` where :func:`~branchgym.agents.forward.flat.flat_supported` holds, else
+    ``levels`` where :func:`~branchgym.agents.forward.levels.levels_supported` does,
+    else ``dense``. Both checks are asked here of a one-layer, narrow model of the same
+    class and configuration (random weights, built in milliseconds), so the plan and the
+    training pass take the same path; gradient checkpointing rules both out (a recomputed
+    layer runs outside the pass).
+    """
+    if gradient_checkpointing:
+        return "dense"
+    from transformers import AutoModelForCausalLM
+
+    from branchgym.agents.forward.flat import flat_supported
+    from branchgym.agents.forward.levels import levels_supported
+    from branchgym.agents.forward.packed import backbone
+
+    config, _ = _config(name)
+    small = dict(config.to_dict())
+    small.pop("layer_types", None)  # recomputed for the one layer
+    small.update(num_hidden_layers=1, hidden_size=32, intermediate_size=64, vocab_size=128,
+                 num_attention_heads=2, num_key_value_heads=1, head_dim=16)  # fmt: skip
+    try:
+        model = AutoModelForCausalLM.from_config(type(config)(**small)).eval()
+    except (TypeError, ValueError):  # a configuration that cannot shrink: the safe bound
+        return "dense"
+    base = backbone(model)[0]
+    if flat_supported(model, base):
+        return "flat"
+    return "levels" if levels_supported(model, base) else "dense"
 
 
 def plan_for_args(args: Any, *, reference: bool, device: str | None = None) -> MemoryPlan:
@@ -326,7 +375,8 @@ def plan_for_args(args: Any, *, reference: bool, device: str | None = None) -> M
 
     The micro-batch is ``micro_batch_tokens`` (or, when 0, :data:`FORWARD_TOKENS`, the
     largest pass the forward code builds); every token is counted as scored (an upper
-    bound), and a 4-D mask is assumed with tree packing or the scoring policy.
+    bound); with tree packing or the scoring policy the pass's attention takes the path
+    :func:`attention_path` finds for this model and these options.
     """
     from branchgym.agents.forward.packed import FORWARD_TOKENS
 
@@ -335,15 +385,17 @@ def plan_for_args(args: Any, *, reference: bool, device: str | None = None) -> M
         device = "cuda" if args.device in ("auto", "cuda") else "cpu"
     tokens = args.micro_batch_tokens or FORWARD_TOKENS
     scoring = args.policy == "scoring" or (args.policy == "auto" and args.model == "tiny")
+    masked = bool(args.pack_trees or scoring)
     plan = estimate(
         shape,
         precision=args.precision,
         lora=bool(args.lora_rank),
         gradient_checkpointing=args.gradient_checkpointing,
         tokens=tokens,
-        masked=bool(args.pack_trees or scoring),
+        masked=masked,
         reference=reference,
         device=device,
+        path=attention_path(args.model, args.gradient_checkpointing) if masked else None,
     )
     teacher = getattr(args, "teacher", None)
     if teacher:  # OPD's frozen teacher, loaded in float32 (Run.load_frozen)

@@ -326,7 +326,8 @@ def test_estimate_is_within_tolerance_of_measured_peaks():
     torch.manual_seed(0)
     tokens, targets = 768, 256
     ids = torch.randint(0, config.vocab_size, (tokens,)).tolist()
-    cases = [("bf16", 0, 0), ("bf16", 1, 0), ("fp32", 0, 0), ("fp32", 1, 0), ("fp32", 0, 1)]
+    cases = [("bf16", 0, 0), ("bf16", 1, 0), ("fp32", 0, 0), ("fp32", 1, 0), ("fp32", 0, 1),
+             ("fp32", 0, "flat")]  # fmt: skip
     for precision, ckpt, masked in cases:
         dtype = torch.bfloat16 if precision == "bf16" else torch.float32
         model = Qwen2ForCausalLM(config).to(dtype)
@@ -340,10 +341,11 @@ def test_estimate_is_within_tolerance_of_measured_peaks():
             ids, segments, [(i, ids[i + 1]) for i in range(tokens - targets - 1, tokens - 1)]
         )
 
-        def step(model=model, pack=pack):
+        def step(model=model, pack=pack, cut=None if masked == "flat" else 0):
             # cut=0: the dense 4-D mask the estimate plans for (a cached read, in a few
-            # calls, attends less and stays under it)
-            scores, _ = packed_forward(model, [pack], torch.device("cpu"), cut=0)
+            # calls, attends less and stays under it); None: the path the learners take,
+            # flat for this model
+            scores, _ = packed_forward(model, [pack], torch.device("cpu"), cut=cut)
             scores[0].sum().backward()
 
         step()  # first call: lazy buffers (rotary cache) outside the measurement
@@ -358,6 +360,7 @@ def test_estimate_is_within_tolerance_of_measured_peaks():
             targets=targets,
             masked=bool(masked),
             device="cpu",
+            path="flat" if masked == "flat" else None,
         )
         optimizer = ("AdamW state", "master weights")  # not held in forward/backward
         expected = plan.total - sum(b for n, b, _ in plan.parts if n in optimizer)
@@ -431,3 +434,40 @@ def test_bpo_trains_with_every_memory_option_at_once(tmp_path):
     assert lora_b and all(bool(t.abs().sum() > 0) for t in lora_b)  # B starts at zero
     last = result.history[-1]
     assert last["update/skipped"] == 0.0 and torch.isfinite(torch.tensor(last["grad/norm"]))
+
+
+def test_the_plan_takes_the_attention_path_the_learners_take(tmp_path):
+    """attention_path asks a one-layer model of the class what packed_forward asks the real one."""
+    from transformers import AutoModelForCausalLM, Qwen2Config
+
+    from branchgym.agents.forward.flat import flat_supported
+    from branchgym.agents.forward.levels import levels_supported
+    from branchgym.agents.forward.packed import backbone
+    from branchgym.agents.learners import grpo
+    from branchgym.agents.training.memory import attention_path, plan_for_args
+
+    def real(config):
+        model = AutoModelForCausalLM.from_config(config).eval()
+        base = backbone(model)[0]
+        if flat_supported(model, base):
+            return "flat"
+        return "levels" if levels_supported(model, base) else "dense"
+
+    shape = {"vocab_size": 256, "hidden_size": 64, "intermediate_size": 128,
+             "num_hidden_layers": 2, "num_attention_heads": 4,
+             "num_key_value_heads": 2}  # fmt: skip
+    plain = Qwen2Config(**shape)
+    sliding = Qwen2Config(**shape, use_sliding_window=True, sliding_window=8, max_window_layers=0)
+    for name, config in (("plain", plain), ("sliding", sliding)):
+        config.save_pretrained(tmp_path / name)
+        assert attention_path(str(tmp_path / name)) == real(config), name
+    assert attention_path(str(tmp_path / "plain")) == "flat"
+    assert attention_path(str(tmp_path / "sliding")) == "levels"  # no window in tree attention
+    assert attention_path(str(tmp_path / "plain"), gradient_checkpointing=True) == "dense"
+    scoring = grpo.Args(model="tiny", policy="scoring")
+    assert plan_for_args(scoring, reference=True).settings["attention"] == "flat"
+    generate = grpo.Args(model="tiny", policy="generate", pack_trees=False)
+    assert plan_for_args(generate, reference=True).settings["attention"] == "causal"
+    ckpt = grpo.Args(model="tiny", policy="scoring", gradient_checkpointing=True)
+    plan = plan_for_args(ckpt, reference=True)
+    assert plan.settings["attention"] == "dense" and "4-D mask" in plan.table()
