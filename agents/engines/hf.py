@@ -92,6 +92,15 @@ def _stats(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor, to
 SCORE_ROWS = 512
 
 
+def _common_prefix(seqs: Sequence[Sequence[int]]) -> int:
+    """Tokens every sequence starts with, leaving each at least one token of its own."""
+    most = min(len(s) for s in seqs) - 1
+    n = 0
+    while n < most and all(s[n] == seqs[0][n] for s in seqs):
+        n += 1
+    return n
+
+
 def _batch_cache(layers: Sequence[tuple[torch.Tensor, torch.Tensor]], rows: int) -> Any:
     """A ``DynamicCache`` of ``rows`` copies of a batch-1 cache's ``layers``."""
     from transformers import DynamicCache
@@ -769,11 +778,13 @@ class HFEngine:
     ) -> list[tuple[np.ndarray, np.ndarray]]:
         """Log-prob and exact entropy of each completion token given ``prompt``.
 
-        The prompt is prefilled once (its KV from the prefix cache when present) and the
-        completions go through one batched forward pass on copies of that cache, right
-        padded: a completion's tokens precede its padding, so causal attention never
-        reads it. What a teacher does in BranchOPD, what the scoring policy asks at every
-        decision, and what tests compare sampled log-probs against.
+        The prompt is prefilled once (its KV from the prefix cache when present), then the
+        tokens every completion starts with (the scoring policy's ``Action: click[``) once
+        more, and the rest of each completion goes through one batched forward pass on
+        copies of that cache, right padded: a completion's tokens precede its padding, so
+        causal attention never reads it. What a teacher does in BranchOPD, what the
+        scoring policy asks at every decision, and what tests compare sampled log-probs
+        against.
         """
         comps = [[int(t) for t in c] for c in completions]
         empty = (np.zeros(0, np.float32), np.zeros(0, np.float32))
@@ -788,8 +799,22 @@ class HFEngine:
         prompt_kv = [
             (lay.keys[:, :, :n_prompt], lay.values[:, :, :n_prompt]) for lay in cache.layers
         ]
+        # the tokens all completions share (each keeps at least one of its own): read once
+        shared = _common_prefix([comps[i] for i in real]) if len(real) > 1 else 0
+        head = last[:0]
+        if shared:
+            logits, ext = self._forward(
+                torch.tensor([comps[real[0]][:shared]], device=self.device),
+                _batch_cache(prompt_kv, 1),
+            )
+            head = torch.cat([last, logits[0, : shared - 1]])  # predict the shared tokens
+            last = logits[0, shared - 1 : shared]  # predicts each completion's next token
+            n_prompt += shared
+            prompt_kv = [
+                (lay.keys[:, :, :n_prompt], lay.values[:, :, :n_prompt]) for lay in ext.layers
+            ]
         # candidates per forward pass: keep the logits of one pass near SCORE_ROWS rows
-        width = max(len(comps[i]) for i in real) - 1
+        width = max(len(comps[i]) for i in real) - shared - 1
         per_pass = max(1, SCORE_ROWS // max(1, width))
         for lo in range(0, len(real), per_pass):
             part = real[lo : lo + per_pass]
@@ -797,13 +822,15 @@ class HFEngine:
             if width > 0:
                 ids = torch.zeros(len(part), width, dtype=torch.long, device=self.device)
                 for r, i in enumerate(part):
-                    tail = comps[i][:-1]
+                    tail = comps[i][shared:-1]
                     if tail:
                         ids[r, : len(tail)] = torch.tensor(tail, device=self.device)
                 logits, _ = self._forward(ids, _batch_cache(prompt_kv, len(part)))
             for r, i in enumerate(part):
                 comp = comps[i]
-                rows = last if len(comp) == 1 else torch.cat([last, logits[r, : len(comp) - 1]])
+                own = len(comp) - shared  # rows predicting this completion's own tokens
+                rows = last if own == 1 else torch.cat([last, logits[r, : own - 1]])
+                rows = torch.cat([head, rows]) if shared else rows
                 lp, ent, _ = _stats(rows, self.topk)
                 idx = torch.tensor(comp, device=lp.device)
                 chosen = lp.gather(-1, idx[:, None])[:, 0]

@@ -91,6 +91,14 @@ def test_score_batches_candidates_of_any_length_exactly(engine, tiny, monkeypatc
             want = direct.gather(-1, torch.tensor(c)[:, None])[:, 0].numpy()
             np.testing.assert_allclose(lp, want, atol=1e-4)
             np.testing.assert_allclose(ent, -(direct.exp() * direct).sum(-1).numpy(), atol=1e-4)
+    # candidates that share their first tokens (read once), one of them only one token longer
+    same = [engine.encode(t) for t in ("Action: go north", "Action: go east", "Action: go")]
+    same.append(same[2] + engine.encode(" up"))
+    for c, (lp, ent) in zip(same, engine.score(p, same), strict=True):
+        direct = forward(model, p + c, len(p))
+        want = direct.gather(-1, torch.tensor(c)[:, None])[:, 0].numpy()
+        np.testing.assert_allclose(lp, want, atol=1e-4)
+        np.testing.assert_allclose(ent, -(direct.exp() * direct).sum(-1).numpy(), atol=1e-4)
     # a model that keeps no cache (gradient checkpointing in train mode) is scored whole
     model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     model.train()
