@@ -294,6 +294,28 @@ def table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def recipe(args: argparse.Namespace) -> int:
+    """The reference recipe on ``args.recipe`` and ``args.device``, sized for a GPU."""
+    import torch
+
+    if args.device == "cuda" and not torch.cuda.is_available():
+        print("gpu_learners --recipe: no CUDA device; add --device cpu to run it here",
+              file=sys.stderr)  # fmt: skip
+        return 2
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    import reference_results
+
+    out = Path(args.out)
+    return reference_results.main(
+        [
+            "--model", args.recipe, "--device", args.device, "--budget",
+            str(args.recipe_budget), "--prompts", "8", "--jobs", "1",
+            "--threads", str(args.threads or 4), "--runs", str(out / "recipe_runs"),
+            "--out", str(out / "recipe"),
+        ]
+    )  # fmt: skip
+
+
 def main(argv: list[str] | None = None) -> int:
     """Build the models, run every learner with every engine, print and write the table."""
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
@@ -324,7 +346,18 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads")
     p.add_argument("--algos", nargs="*", default=list(ALGOS), choices=ALGOS)
     p.add_argument("--out", default="results/gpu_learners", help="folder for the JSON and table")
+    p.add_argument(
+        "--recipe",
+        metavar="MODEL",
+        help="instead: the reference recipe (scripts/reference_results.py: SFT on WebShop, "
+        "each learner x 2 seeds to one env-step budget, webshop-small evals and the "
+        "comparisons) on MODEL, a local model folder (e.g. a Qwen2.5-1.5B-Instruct "
+        "snapshot) or smollm2, GPU-sized: 8 prompts per step, --recipe-budget env steps",
+    )
+    p.add_argument("--recipe-budget", type=int, default=2400, help="env steps per learner run")
     args = p.parse_args(argv)
+    if args.recipe:
+        return recipe(args)
 
     import torch
     from transformers.utils import logging as hf_logging

@@ -86,11 +86,18 @@ def write_report(runs: Path, out: Path, *, learners: list[str], seeds: list[int]
     for name in ["expert", "random", "zero-shot", "sft", *runs_]:
         if (ev / name / "summary.json").exists():
             rows[name] = eval_row(ev / name)
+    timings: dict[str, dict[str, Any]] = {}
+    if (out / "timings.jsonl").exists():
+        for line in (out / "timings.jsonl").read_text().splitlines():
+            if line.strip():
+                t = json.loads(line)
+                timings[t["log"]] = t  # the last run of each stage counts
     lines += [
         "| model | seed | score x100 [95 % CI] | success [95 % CI] | env steps | learner "
-        "tokens | train hours (threads) |",
-        "|---|---|---|---|---|---|---|",
+        "tokens | train hours (CPU h) | eval hours (CPU h) |",
+        "|---|---|---|---|---|---|---|---|",
     ]
+    total_cpu = 0.0
     for name, r in rows.items():
         base, _, seed = name.rpartition("-s") if "-s" in name else (name, "", "")
         label = NAMES.get(base or name, name)
@@ -98,11 +105,34 @@ def write_report(runs: Path, out: Path, *, learners: list[str], seeds: list[int]
         tdir = out / "train" / name
         if name not in ("expert", "random", "zero-shot") and tdir.exists():
             cost = train_cost(tdir)
+        ev_t = timings.get(f"eval-{name}")
+        ev_h = ev_t["minutes"] / 60 if ev_t else float("nan")
+        ev_cpu = ev_h * ev_t["threads"] if ev_t else float("nan")
+        total_cpu += cost["cpu_hours"] + (ev_cpu if ev_t else 0.0)
         lines.append(
             f"| {label} | {seed or '-'} | {_iv(r['score'])} | {_iv(r['success'], digits=3)} | "
             f"{cost['env_steps']:.0f} | {cost['learner_tokens']:.0f} | "
-            f"{cost['hours']:.2f} ({cost['cpu_hours']:.2f} CPU h) |"
+            f"{cost['hours']:.2f} ({cost['cpu_hours']:.2f}) | {ev_h:.2f} ({ev_cpu:.2f}) |"
         )
+    for name in runs_:  # trained, not evaluated yet: the training row alone
+        if name in rows or not (out / "train" / name / "metrics.jsonl").exists():
+            continue
+        base, _, seed = name.rpartition("-s")
+        cost = train_cost(out / "train" / name)
+        total_cpu += cost["cpu_hours"]
+        lines.append(
+            f"| {NAMES.get(base, base)} | {seed} | not evaluated yet | not evaluated yet | "
+            f"{cost['env_steps']:.0f} | {cost['learner_tokens']:.0f} | "
+            f"{cost['hours']:.2f} ({cost['cpu_hours']:.2f}) | - |"
+        )
+    sft_dir = out / "train" / "sft"
+    if sft_dir.exists():
+        c = train_cost(sft_dir)
+        total_cpu += c["cpu_hours"] if "sft" not in rows else 0.0
+        lines += ["", f"SFT warm start: {c['steps']} updates, {c['learner_tokens']:.0f} learner "
+                  f"tokens, {c['hours']:.2f} h ({c['cpu_hours']:.2f} CPU h)."]  # fmt: skip
+    lines += [f"CPU hours in this table (training and evaluation, threads x wall): "
+              f"{total_cpu:.2f}."]  # fmt: skip
     cmp_dir = out / "compare"
     cmp_dir.mkdir(parents=True, exist_ok=True)
     pairs = []

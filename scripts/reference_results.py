@@ -47,11 +47,12 @@ ENV_ID = "branchgym/WebShop-v0"
 ENV_KWARGS = {"max_steps": 6}
 PROTOCOL = "webshop-small"
 
-#: The warm start: 96 expert episodes of train goals, 8 per update, 16 updates.
+#: The warm start: 96 expert episodes of train goals, 8 per update, 8 updates (2/3 of an
+#: epoch: the loss had fallen from 0.41 to under 0.2 by update 3).
 SFT = {
-    "steps": 16,
+    "steps": 8,
     "lr": 5e-5,
-    "set": {"episodes": 96, "batch_episodes": 8, "checkpoint_every": 8},
+    "set": {"episodes": 96, "batch_episodes": 8},
 }
 
 #: Each learner's options (besides the shared ones in :func:`learner_command`). Rollout
@@ -87,6 +88,9 @@ COMMON = {
         "lr_schedule": "constant",
         "micro_batch_tokens": 2048,
         "checkpoint_every": 1,
+        # bfloat16 weights and gradients, float32 master weights and AdamW state: the
+        # forward is 1.7x faster in bfloat16 on an AVX512-BF16 CPU
+        "precision": "bf16",
     },
 }
 
@@ -139,14 +143,14 @@ class Recipe:
     def sft_command(self) -> list[str]:
         """The warm start (:data:`SFT`) of ``--model``."""
         options = {"threads": self.a.threads * self.a.jobs, "micro_batch_tokens": 2048,
-                   **SFT["set"]}  # fmt: skip
-        fixed = ["--algo", "sft", "--model", self.a.model, "--steps", str(SFT["steps"]),
+                   **SFT["set"], "checkpoint_every": self.a.sft_steps}  # fmt: skip
+        fixed = ["--algo", "sft", "--model", self.a.model, "--steps", str(self.a.sft_steps),
                  "--lr", str(SFT["lr"]), "--seed", "0"]  # fmt: skip
         return self.train_command(fixed, options, self.runs / "sft")
 
     def sft_model(self) -> Path:
         """The SFT run's final checkpoint: every learner starts from it."""
-        return self.runs / "sft" / f"checkpoint-{SFT['steps']:06d}"
+        return self.runs / "sft" / f"checkpoint-{self.a.sft_steps:06d}"
 
     def learner_command(self, name: str, seed: int) -> list[str]:
         """Learner ``name`` (:data:`LEARNERS`) from the SFT model, to the env-step budget."""
@@ -154,7 +158,7 @@ class Recipe:
         options = {"threads": self.a.threads, **COMMON["set"], **spec["set"],
                    "max_env_steps": self.a.budget}  # fmt: skip
         fixed = ["--algo", spec["algo"], "--model", str(self.sft_model()),
-                 "--steps", str(self.a.max_steps), "--prompts", str(COMMON["prompts"]),
+                 "--steps", str(self.a.max_steps), "--prompts", str(self.a.prompts),
                  "--lr", str(COMMON["lr"]), "--seed", str(seed)]  # fmt: skip
         return self.train_command(fixed, options, self.runs / f"{name}-s{seed}")
 
@@ -163,8 +167,11 @@ class Recipe:
         out = self.runs / "eval" / name
         cmd = [*self.bg, "eval", ENV_ID, "--protocol", PROTOCOL, "--agent", agent,
                "--no-progress", "--out", str(out)]  # fmt: skip
-        if agent not in ("expert", "random"):  # a model: scored as it was trained
-            cmd += ["--policy", "scoring", "--threads", str(self.a.threads)]
+        if self.a.tasks:  # a deviation (tests, a quick look): the report says so
+            cmd += ["--tasks", str(self.a.tasks)]
+        if agent not in ("expert", "random"):  # a model: the scoring policy, in bfloat16
+            cmd += ["--policy", "scoring", "--dtype", self.a.eval_dtype,
+                    "--threads", str(self.a.threads)]  # fmt: skip
         if (out / "run.json").exists():
             cmd.append("--resume")
         return cmd
@@ -208,7 +215,14 @@ def run(cmd: list[str], log: Path, dry: bool) -> None:
         proc = subprocess.run(
             ["nice", "-n", "5", *cmd], stdout=fh, stderr=subprocess.STDOUT, check=False
         )
-    print(f"  exit {proc.returncode} after {(time.time() - t0) / 60:.1f} min ({log})", flush=True)
+    minutes = (time.time() - t0) / 60
+    print(f"  exit {proc.returncode} after {minutes:.1f} min ({log})", flush=True)
+    threads = next((int(x.split("=")[1]) for x in cmd if x.startswith("threads=")), None)
+    if threads is None and "--threads" in cmd:
+        threads = int(cmd[cmd.index("--threads") + 1])
+    with open(log.parent / "timings.jsonl", "a") as fh:  # wall time of each stage's command
+        fh.write(json.dumps({"log": log.stem, "minutes": round(minutes, 2), "exit": proc.returncode,
+                             "threads": threads or 1, "finished": time.strftime("%F %T")}) + "\n")
     if proc.returncode != 0:
         raise SystemExit(f"stage failed: {text}; see {log}")
 
@@ -224,6 +238,26 @@ def copy_results(recipe: Recipe) -> None:
         for name in ("metrics.jsonl", "args.json", "curves.png"):
             if (folder / name).exists():
                 shutil.copy2(folder / name, dest / name)
+    timings = runs / "logs" / "timings.jsonl"
+    known = set()
+    if timings.exists():
+        known = {json.loads(x)["log"] for x in timings.read_text().splitlines() if x.strip()}
+    for folder in sorted((runs / "eval").glob("*")):  # evals run by hand: from their files
+        summary, started = folder / "summary.json", folder / "run.json"
+        if f"eval-{folder.name}" in known or not summary.exists():
+            continue
+        import datetime as dt
+
+        t0 = dt.datetime.fromisoformat(json.loads(started.read_text())["started"]).timestamp()
+        minutes = (summary.stat().st_mtime - t0) / 60
+        timings.parent.mkdir(parents=True, exist_ok=True)
+        with open(timings, "a") as fh:
+            fh.write(json.dumps({"log": f"eval-{folder.name}", "minutes": round(minutes, 2),
+                                 "exit": 0, "threads": 1,
+                                 "source": "run.json start to summary.json"}) + "\n")  # fmt: skip
+    if timings.exists():
+        out.mkdir(parents=True, exist_ok=True)
+        shutil.copy2(timings, out / "timings.jsonl")
     for folder in sorted((runs / "eval").glob("*")):
         if not (folder / "summary.json").exists():
             continue
@@ -245,8 +279,17 @@ def main(argv: list[str] | None = None) -> int:
                    help="env steps per learner run (240)")  # fmt: skip
     p.add_argument("--max-steps", type=int, default=100,
                    help="cap on rollout batches (the budget stops runs first)")  # fmt: skip
+    p.add_argument("--sft-steps", type=int, default=SFT["steps"],
+                   help="SFT updates (8)")  # fmt: skip
+    p.add_argument("--tasks", type=int, default=None,
+                   help="evaluate on the protocol's first N goals only (a deviation: the "
+                   "runs' protocol hash says so; for tests and quick looks)")  # fmt: skip
+    p.add_argument("--prompts", type=int, default=COMMON["prompts"],
+                   help="prompts per learner step (2)")  # fmt: skip
     p.add_argument("--model", default="smollm2", help="the model to warm-start (smollm2)")
     p.add_argument("--device", default="auto")
+    p.add_argument("--eval-dtype", default="bfloat16", choices=("float32", "bfloat16"),
+                   help="weight type of the models while evaluated (bfloat16)")  # fmt: skip
     p.add_argument("--jobs", type=int, default=2, help="runs at once (2)")
     p.add_argument("--threads", type=int, default=1, help="torch threads per run (1)")
     p.add_argument("--runs", default="runs/reference", help="where runs and checkpoints go")

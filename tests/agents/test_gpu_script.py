@@ -81,3 +81,32 @@ def test_the_model_is_built_at_its_tokenizers_vocabulary(tmp_path):
     # every id the model can sample decodes to text (the 151,936-row head of the old
     # script sampled ids past a 1,024-token tokenizer, which decode to nothing)
     assert tok.decode([len(tok) - 1]) != ""
+
+
+def test_recipe_runs_the_reference_recipe_gpu_sized(monkeypatch, tmp_path):
+    """--recipe MODEL is one command for the reference results on a GPU (larger budget)."""
+    sys.path.insert(0, str(SCRIPT.parent))
+    try:
+        import gpu_learners
+        import reference_results
+        import torch
+
+        seen = []
+        monkeypatch.setattr(reference_results, "main", lambda argv: seen.append(argv) or 0)
+        if not torch.cuda.is_available():
+            assert gpu_learners.main(["--recipe", "m", "--out", str(tmp_path)]) == 2
+            monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+        assert gpu_learners.main(["--recipe", "/models/qwen", "--out", str(tmp_path)]) == 0
+    finally:
+        sys.path.remove(str(SCRIPT.parent))
+    (argv,) = seen
+    opts = dict(zip(argv[::2], argv[1::2], strict=True))
+    assert opts["--model"] == "/models/qwen" and opts["--device"] == "cuda"
+    assert int(opts["--budget"]) > 240 and opts["--prompts"] == "8"
+    assert opts["--runs"] == str(tmp_path / "recipe_runs")
+    assert opts["--out"] == str(tmp_path / "recipe")
+    # the argv parses as the recipe's own options
+    cmd = [sys.executable, str(SCRIPT.parent / "reference_results.py"), *argv, "--dry-run"]
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert "--device cuda" in out.stdout and "max_env_steps=2400" in out.stdout
