@@ -86,12 +86,14 @@ def write_report(runs: Path, out: Path, *, learners: list[str], seeds: list[int]
     for name in ["expert", "random", "zero-shot", "sft", *runs_]:
         if (ev / name / "summary.json").exists():
             rows[name] = eval_row(ev / name)
-    timings: dict[str, dict[str, Any]] = {}
+    timings: dict[str, dict[str, float]] = {}  # a stage run in several sittings: summed
     if (out / "timings.jsonl").exists():
         for line in (out / "timings.jsonl").read_text().splitlines():
             if line.strip():
                 t = json.loads(line)
-                timings[t["log"]] = t  # the last run of each stage counts
+                acc = timings.setdefault(t["log"], {"minutes": 0.0, "cpu_minutes": 0.0})
+                acc["minutes"] += t["minutes"]
+                acc["cpu_minutes"] += t["minutes"] * t.get("threads", 1)
     lines += [
         "| model | seed | score x100 [95 % CI] | success [95 % CI] | env steps | learner "
         "tokens | train hours (CPU h) | eval hours (CPU h) |",
@@ -107,7 +109,7 @@ def write_report(runs: Path, out: Path, *, learners: list[str], seeds: list[int]
             cost = train_cost(tdir)
         ev_t = timings.get(f"eval-{name}")
         ev_h = ev_t["minutes"] / 60 if ev_t else float("nan")
-        ev_cpu = ev_h * ev_t["threads"] if ev_t else float("nan")
+        ev_cpu = ev_t["cpu_minutes"] / 60 if ev_t else float("nan")
         total_cpu += cost["cpu_hours"] + (ev_cpu if ev_t else 0.0)
         lines.append(
             f"| {label} | {seed or '-'} | {_iv(r['score'])} | {_iv(r['success'], digits=3)} | "

@@ -244,7 +244,7 @@ def copy_results(recipe: Recipe) -> None:
         known = {json.loads(x)["log"] for x in timings.read_text().splitlines() if x.strip()}
     for folder in sorted((runs / "eval").glob("*")):  # evals run by hand: from their files
         summary, started = folder / "summary.json", folder / "run.json"
-        if f"eval-{folder.name}" in known or not summary.exists():
+        if f"eval-{folder.name}" in known or not summary.exists():  # timed by run()
             continue
         import datetime as dt
 
