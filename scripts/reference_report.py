@@ -13,6 +13,7 @@ and writes ``out/README.md`` (the table, the comparisons, the cost), ``out/compa
 from __future__ import annotations
 
 import json
+import re
 import sys
 from pathlib import Path
 from typing import Any
@@ -101,7 +102,8 @@ def write_report(runs: Path, out: Path, *, learners: list[str], seeds: list[int]
     ]
     total_cpu = 0.0
     for name, r in rows.items():
-        base, _, seed = name.rpartition("-s") if "-s" in name else (name, "", "")
+        m = re.fullmatch(r"(.+)-s(\d+)", name)  # a learner run: <learner>-s<seed>
+        base, seed = (m.group(1), m.group(2)) if m else (name, "")
         label = NAMES.get(base or name, name)
         cost = {"env_steps": 0, "learner_tokens": 0, "hours": 0.0, "cpu_hours": 0.0}
         tdir = out / "train" / name
@@ -137,7 +139,7 @@ def write_report(runs: Path, out: Path, *, learners: list[str], seeds: list[int]
               f"{total_cpu:.2f}."]  # fmt: skip
     cmp_dir = out / "compare"
     cmp_dir.mkdir(parents=True, exist_ok=True)
-    pairs = []
+    pairs = [("sft", "zero-shot")]  # what the warm start did
     for n in learners:
         for s in seeds:
             pairs.append((f"{n}-s{s}", "sft"))
