@@ -78,7 +78,7 @@ def main(args: argparse.Namespace) -> int:
 
     protocol = get_protocol(args.protocol).resolve(tasks=args.tasks, max_steps=args.max_steps)
     agent = make_agent(args.model, protocol.env_id, max_new_tokens=args.max_new_tokens,
-                       threads=args.threads)  # fmt: skip
+                       threads=args.threads, policy="generate")  # batched decoding  # fmt: skip
     warm = get_protocol(args.protocol).resolve(tasks=1, max_steps=args.max_steps)
     _plain_loop(warm, agent, seed=99)  # loads kernels and caches for both runs
     plain = _plain_loop(protocol, agent, seed=0)

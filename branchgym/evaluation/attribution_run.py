@@ -37,8 +37,11 @@ def agent_from_run(run_doc: dict[str, Any]) -> Any:
             "this run graded a predictions file: there is no agent to fork; attribute a run "
             "of an agent (random, expert, a model, an endpoint, module:attr)"
         )
-    if kind == "model":
-        return make_agent(config["model"], env_id, max_new_tokens=config["max_new_tokens"])
+    if kind == "model":  # as the run played it (runs before --policy generated)
+        return make_agent(
+            config["model"], env_id, max_new_tokens=config["max_new_tokens"],
+            policy=config.get("policy", "generate"), dtype=config.get("dtype", "float32"),
+        )  # fmt: skip
     if kind == "endpoint":
         return make_agent(config["base_url"], env_id, model=config["model"],
                           sampling=config.get("sampling"))  # fmt: skip

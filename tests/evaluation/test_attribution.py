@@ -233,3 +233,17 @@ def test_forks_through_an_executor_equal_the_in_process_forks(tmp_path, executor
     run_eval(proto, make_agent("expert", proto.env_id), expert_run, EvalOptions(progress=False))
     with pytest.raises(OptionError, match="forks run in-process"):
         attribute_run(expert_run, forks=2, episodes="all", executor=executor, progress=False)
+
+
+def test_a_model_run_is_forked_with_the_policy_and_dtype_it_was_played_with():
+    from branchgym.evaluation.attribution_run import agent_from_run
+
+    played = make_agent("tiny", "branchgym/TextTreeMDP-v0", max_new_tokens=8,
+                        policy="scoring", dtype="bfloat16")  # fmt: skip
+    doc = {"agent": {"spec": "tiny", "config": played.config},
+           "protocol": {"env_id": "branchgym/TextTreeMDP-v0"}}  # fmt: skip
+    again = agent_from_run(doc)
+    assert again.config == played.config and again.config_hash == played.config_hash
+    old = {"kind": "model", "model": "tiny", "max_new_tokens": 8}  # a run from before --policy
+    doc["agent"]["config"] = old
+    assert agent_from_run(doc).config["policy"] == "generate"
