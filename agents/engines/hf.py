@@ -87,6 +87,18 @@ def _stats(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor, to
     return lp, ent, ent_k
 
 
+def _token_stats(
+    rows: torch.Tensor, tokens: Sequence[int], k: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(log-prob of each of ``tokens``, exact entropy, top-k entropy) of ``rows``.
+
+    ``rows`` are the logits that predict the tokens, one row per token.
+    """
+    lp, ent, ent_k = _stats(rows, k)
+    chosen = lp.gather(-1, torch.tensor(list(tokens), device=lp.device)[:, None])[:, 0]
+    return chosen, ent, ent_k
+
+
 #: Rows (candidates x tokens) of one batched :meth:`HFEngine.score` pass: its logits are
 #: this many vocabulary rows (49152 x 4 bytes each for SmolLM2).
 SCORE_ROWS = 512
@@ -99,6 +111,11 @@ def _common_prefix(seqs: Sequence[Sequence[int]]) -> int:
     while n < most and all(s[n] == seqs[0][n] for s in seqs):
         n += 1
     return n
+
+
+def _first_positions(cache: Any, n: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Each layer's keys and values of a cache's first ``n`` positions (views)."""
+    return [(lay.keys[:, :, :n], lay.values[:, :, :n]) for lay in cache.layers]
 
 
 def _batch_cache(layers: Sequence[tuple[torch.Tensor, torch.Tensor]], rows: int) -> Any:
@@ -582,9 +599,8 @@ class HFEngine:
         """Log-probs, entropies and top-k entropies of the forced prefix tokens."""
         if not prefix:
             return [], [], []
-        lp, ent, ent_k = _stats(rows[:-1], self.topk)
-        idx = torch.tensor(prefix, device=lp.device)
-        return lp.gather(-1, idx[:, None])[:, 0].tolist(), ent.tolist(), ent_k.tolist()
+        chosen, ent, ent_k = _token_stats(rows[:-1], prefix, self.topk)
+        return chosen.tolist(), ent.tolist(), ent_k.tolist()
 
     @staticmethod
     def _gumbel(lp: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
@@ -796,9 +812,7 @@ class HFEngine:
         if cache is None:  # the model keeps no cache (gradient checkpointing in train mode)
             return self._score_uncached(list(prompt), comps, out)
         n_prompt = len(prompt)
-        prompt_kv = [
-            (lay.keys[:, :, :n_prompt], lay.values[:, :, :n_prompt]) for lay in cache.layers
-        ]
+        prompt_kv = _first_positions(cache, n_prompt)
         # the tokens all completions share (each keeps at least one of its own): read once
         shared = _common_prefix([comps[i] for i in real]) if len(real) > 1 else 0
         head = last[:0]
@@ -810,9 +824,7 @@ class HFEngine:
             head = torch.cat([last, logits[0, : shared - 1]])  # predict the shared tokens
             last = logits[0, shared - 1 : shared]  # predicts each completion's next token
             n_prompt += shared
-            prompt_kv = [
-                (lay.keys[:, :, :n_prompt], lay.values[:, :, :n_prompt]) for lay in ext.layers
-            ]
+            prompt_kv = _first_positions(ext, n_prompt)
         # candidates per forward pass: keep the logits of one pass near SCORE_ROWS rows
         width = max(len(comps[i]) for i in real) - shared - 1
         per_pass = max(1, SCORE_ROWS // max(1, width))
@@ -830,15 +842,13 @@ class HFEngine:
                 comp = comps[i]
                 own = len(comp) - shared  # rows predicting this completion's own tokens
                 rows = last if own == 1 else torch.cat([last, logits[r, : own - 1]])
-                rows = torch.cat([head, rows]) if shared else rows
-                lp, ent, _ = _stats(rows, self.topk)
-                idx = torch.tensor(comp, device=lp.device)
-                chosen = lp.gather(-1, idx[:, None])[:, 0]
-                out[i] = (
-                    chosen.cpu().numpy().astype(np.float32),
-                    ent.cpu().numpy().astype(np.float32),
-                )
+                out[i] = self._token_scores(torch.cat([head, rows]) if shared else rows, comp)
         return out
+
+    def _token_scores(self, rows: torch.Tensor, comp: list[int]) -> tuple[np.ndarray, np.ndarray]:
+        """Log-prob of each token of ``comp`` and the exact entropy, from its logits rows."""
+        chosen, ent, _ = _token_stats(rows, comp, self.topk)
+        return chosen.cpu().numpy().astype(np.float32), ent.cpu().numpy().astype(np.float32)
 
     def _score_uncached(
         self,
@@ -852,10 +862,7 @@ class HFEngine:
                 continue
             ids = torch.tensor([prompt + comp[:-1]], device=self.device)
             logits = self.model(input_ids=ids, use_cache=False).logits[0, len(prompt) - 1 :]
-            lp, ent, _ = _stats(logits, self.topk)
-            idx = torch.tensor(comp, device=lp.device)
-            chosen = lp.gather(-1, idx[:, None])[:, 0]
-            out[i] = (chosen.cpu().numpy().astype(np.float32), ent.cpu().numpy().astype(np.float32))
+            out[i] = self._token_scores(logits, comp)
         return out
 
     def decode(self, ids: Sequence[int]) -> str:
