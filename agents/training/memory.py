@@ -384,7 +384,9 @@ def plan_for_args(args: Any, *, reference: bool, device: str | None = None) -> M
     if device is None:
         device = "cuda" if args.device in ("auto", "cuda") else "cpu"
     tokens = args.micro_batch_tokens or FORWARD_TOKENS
-    scoring = args.policy == "scoring" or (args.policy == "auto" and args.model == "tiny")
+    from branchgym.agents.training.policy_kinds import resolve_policy
+
+    scoring = resolve_policy(args.policy, args.model) == "scoring"
     masked = bool(args.pack_trees or scoring)
     plan = estimate(
         shape,

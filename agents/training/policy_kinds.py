@@ -33,7 +33,7 @@ except ImportError as exc:  # pragma: no cover - exercised only without the extr
         "branchgym.agents.training.policy_kinds", "llm", "torch"
     ) from exc
 
-__all__ = ["POLICIES", "GenerateKind", "PolicyKind", "ScoringKind"]
+__all__ = ["POLICIES", "GenerateKind", "PolicyKind", "ScoringKind", "resolve_policy"]
 
 
 class PolicyKind:
@@ -255,3 +255,14 @@ class ScoringKind(PolicyKind):
 
 #: policy name -> how it acts and how its log-probs are recomputed.
 POLICIES: dict[str, PolicyKind] = {"generate": GenerateKind(), "scoring": ScoringKind()}
+
+
+def resolve_policy(policy: str, model: str) -> str:
+    """The policy kind a run with ``policy`` on ``model`` uses.
+
+    ``auto`` is the scoring policy for the ``tiny`` model (a random model almost never
+    writes a valid action) and free generation for any other.
+    """
+    if policy == "auto":
+        return "scoring" if model == "tiny" else "generate"
+    return policy

@@ -44,7 +44,7 @@ from branchgym.agents.training.metrics import (
 from branchgym.agents.training.options import (
     TrainArgs,
 )
-from branchgym.agents.training.policy_kinds import POLICIES
+from branchgym.agents.training.policy_kinds import POLICIES, resolve_policy
 from branchgym.agents.training.sinks import Sinks, open_sinks
 from branchgym.error import CheckpointError, DependencyMissingError, TrainingConfigError
 from branchgym.rollout.executor_base import EnvRecipe
@@ -187,10 +187,7 @@ class RunSetup:
         if why:  # packing would change log-probs here: rows are read one by one
             warnings.warn(f"pack_trees is off: {why}.", stacklevel=3)
             args.pack_trees = False
-        name = args.policy
-        if name == "auto":
-            name = "scoring" if args.model == "tiny" else "generate"
-        self.kind = POLICIES[name]
+        self.kind = POLICIES[resolve_policy(args.policy, args.model)]
         self.policy = self.kind.make(self.engine, args)
         self.behaviour = Autocast(self.policy, self.autocast) if self.bf16 else self.policy
 

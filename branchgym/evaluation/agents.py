@@ -174,17 +174,21 @@ def _folder_digest(folder: Path) -> str:
     return stable_hash(parts, text, size=8)
 
 
-def _run_args(folder: Path) -> dict[str, Any]:
-    """The ``args.json`` of the ``branchgym train`` run that made ``folder``, else ``{}``."""
-    for cand in (folder, folder.parent):
-        path = cand / "args.json"
-        if path.is_file():
-            try:
-                args = json.loads(path.read_text())
-            except json.JSONDecodeError as exc:
-                raise OptionError(f"{path} is not JSON ({exc}); restore it from the run") from exc
-            return args if isinstance(args, dict) else {}
-    return {}
+def _trained_as(folder: Path) -> dict[str, Any]:
+    """How the ``branchgym train`` checkpoint ``folder`` acted.
+
+    Its ``trainer_state.json``'s policy kind and scoring template; ``{}`` for a model
+    folder no run wrote.
+    """
+    path = folder / "trainer_state.json"
+    if not path.is_file():
+        return {}
+    try:
+        state = json.loads(path.read_text())
+    except json.JSONDecodeError as exc:
+        raise OptionError(f"{path} is not JSON ({exc}); restore it from the run") from exc
+    args = state.get("args") or {}
+    return {"policy": state.get("policy"), "scoring_template": args.get("scoring_template")}
 
 
 def _model_agent(
@@ -194,6 +198,7 @@ def _model_agent(
     from branchgym.agents.policies.models import load_model
     from branchgym.agents.policies.policy import LLMPolicy
     from branchgym.agents.policies.scoring import DEFAULT_TEMPLATE, ScoringPolicy
+    from branchgym.agents.training.policy_kinds import resolve_policy
 
     if policy not in POLICY_CHOICES:
         raise OptionError(f"--policy {policy!r}: use one of {', '.join(POLICY_CHOICES)}")
@@ -201,7 +206,7 @@ def _model_agent(
         raise OptionError(f"--dtype {dtype!r}: use one of {', '.join(DTYPES)}")
     name = spec[3:] if spec.startswith("hf:") else spec
     config: dict[str, Any] = {"kind": "model", "max_new_tokens": max_new_tokens}
-    run_args: dict[str, Any] = {}
+    trained: dict[str, Any] = {}
     if name in ("tiny", "smollm2"):
         config["model"] = name
         source: Any = name
@@ -209,15 +214,13 @@ def _model_agent(
         folder = _latest_checkpoint(Path(os.path.expanduser(name)).resolve())
         config.update(model=str(folder), digest=_folder_digest(folder))
         source = folder
-        run_args = _run_args(folder)
+        trained = _trained_as(folder)
     else:
         config["model"] = name  # a Hub id from the local cache
         source = name
-    if policy == "auto":  # the policy the run trained, as `branchgym train` chose it
-        policy = run_args.get("policy", "auto")
-        if policy not in ("generate", "scoring"):  # train's own auto: scoring for tiny
-            policy = "scoring" if run_args.get("model", name) == "tiny" else "generate"
-    template = str(run_args.get("scoring_template") or DEFAULT_TEMPLATE)
+    if policy == "auto":  # the policy the run trained, else what train's auto would use
+        policy = trained.get("policy") or resolve_policy("auto", name)
+    template = str(trained.get("scoring_template") or DEFAULT_TEMPLATE)
     config["policy"] = policy
     if policy == "scoring":
         config["scoring_template"] = template

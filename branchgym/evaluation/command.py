@@ -63,6 +63,8 @@ def _positive(kind: type) -> Any:
 
 def configure(p: argparse.ArgumentParser) -> None:
     """Options of ``branchgym eval``."""
+    from branchgym.evaluation.agents import DTYPES, POLICY_CHOICES
+
     p.add_argument(
         "target",
         nargs="?",
@@ -99,11 +101,11 @@ def configure(p: argparse.ArgumentParser) -> None:
                    "samples are then not reproducible")  # fmt: skip
     p.add_argument("--max-new-tokens", type=_positive(int), default=48,
                    help="model agents: tokens per action (48)")  # fmt: skip
-    p.add_argument("--policy", default="auto", choices=("auto", "generate", "scoring"),
+    p.add_argument("--policy", default="auto", choices=POLICY_CHOICES,
                    help="model agents: generate (free replies, parsed), scoring (softmax "
                    "over the admissible actions' log-probs) or auto (what the train run "
                    "used; generate for other models)")  # fmt: skip
-    p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"),
+    p.add_argument("--dtype", default="float32", choices=DTYPES,
                    help="model agents: weight type while acting (bfloat16: about 1.7x "
                    "faster on AVX512-BF16 CPUs, a recorded deviation)")  # fmt: skip
     p.add_argument("--max-envs", type=_positive(int), default=8,
