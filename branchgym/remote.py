@@ -297,15 +297,9 @@ class RemoteEnv(SnapshottableEnv):
         self._dial = functools.partial(
             Connection, url, token, timeout=timeout, connect_timeout=connect_timeout
         )
-        self._conn = self._dial()
-        self._finalizer = weakref.finalize(self, self._conn.close)
         self._closed_by_user = False
         self.reopened = 0
-        try:
-            info = self._conn.request({"type": "info"})["data"]
-        except BaseException:
-            self._conn.close()
-            raise
+        info = self._connect()
         self.url = self._conn.url
         self.server_id: str = info["server_id"]
         self.remote_env_id: str = info["env_id"]
@@ -366,18 +360,22 @@ class RemoteEnv(SnapshottableEnv):
         self._reopen()
         return self._conn.request(message)
 
+    def _connect(self) -> dict[str, Any]:
+        """Open the connection (closed when this env is collected); the server's info."""
+        self._conn = self._dial()
+        self._finalizer = weakref.finalize(self, self._conn.close)
+        try:
+            return self._conn.request({"type": "info"})["data"]
+        except BaseException:
+            self._conn.close()
+            raise
+
     def _reopen(self) -> None:
         """A new connection to the same server URL (its snapshot ids may have changed)."""
         self._conn.close()
         self._finalizer.detach()
-        self._conn = self._dial()
-        self._finalizer = weakref.finalize(self, self._conn.close)
+        info = self._connect()
         self.reopened += 1
-        try:
-            info = self._conn.request({"type": "info"})["data"]
-        except BaseException:
-            self._conn.close()
-            raise
         self.server_id = info["server_id"]  # a restarted server has a new one
 
     # -- snapshots -----------------------------------------------------------------------

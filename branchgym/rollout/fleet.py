@@ -99,9 +99,7 @@ class FleetExecutor(Executor):
         self._actors: list[Any] = []
         for w, url in enumerate(self.urls):
             try:
-                conn = Connection(url, self.token, timeout=timeout, connect_timeout=connect_timeout)
-                self._info[w] = conn.request({"type": "info"})["data"]
-                self._conns[w] = conn
+                self._conns[w], self._info[w] = self._dial(w, connect_timeout)
             except RemoteError as exc:
                 self._dead[w] = f"server {url} unreachable: {exc.code}: {exc}"
                 self._schedule_retry(w)
@@ -135,6 +133,17 @@ class FleetExecutor(Executor):
             or None
         )
 
+    def _dial(self, w: int, connect_timeout: float) -> tuple[Connection, dict[str, Any]]:
+        """A connection to server ``w`` and its info (raises :class:`RemoteError`)."""
+        conn = Connection(
+            self.urls[w], self.token, timeout=self.timeout, connect_timeout=connect_timeout
+        )
+        try:
+            return conn, conn.request({"type": "info"})["data"]
+        except BaseException:
+            conn.close()
+            raise
+
     def _schedule_retry(self, w: int) -> None:
         if self.reconnect_interval is not None:
             self._retry_at[w] = time.monotonic() + self.reconnect_interval
@@ -144,15 +153,10 @@ class FleetExecutor(Executor):
         now = time.monotonic()
         for w in [w for w in self._dead if self._retry_at.get(w, float("inf")) <= now]:
             try:
-                conn = Connection(
-                    self.urls[w], self.token, timeout=self.timeout,
-                    connect_timeout=min(self.connect_timeout, 2.0),
-                )  # fmt: skip
-                info = conn.request({"type": "info"})["data"]
+                self._conns[w], self._info[w] = self._dial(w, min(self.connect_timeout, 2.0))
             except RemoteError:
                 self._schedule_retry(w)
                 continue
-            self._conns[w], self._info[w] = conn, info
             self._orphans.pop(w, None)  # the sessions they named died with the old server
             del self._dead[w]
             self._retry_at.pop(w, None)
