@@ -207,6 +207,7 @@ def episode_record(
     nodes = [tree[i] for i in path]
     node_error = next((n.error for n in nodes if n.error), None)
     reward = float(sum(n.reward for n in nodes))
+    tokens = int(sum(n.token_ids.size for n in nodes))
     success = bool(path) and success_of(tree, path)
     if error is not None:
         outcome = "agent_error" if error.startswith("agent:") else "infra_error"
@@ -218,12 +219,7 @@ def episode_record(
         outcome = "success"
     elif nodes and nodes[-1].truncated and len(nodes) >= protocol.max_steps:
         outcome = "step_limit"
-    elif (
-        nodes
-        and nodes[-1].truncated
-        and max_tokens is not None
-        and sum(n.token_ids.size for n in nodes) >= max_tokens
-    ):
+    elif nodes and nodes[-1].truncated and max_tokens is not None and tokens >= max_tokens:
         outcome = "token_limit"
     else:
         outcome = "failure"
@@ -245,7 +241,7 @@ def episode_record(
             None
             if any(n.text for n in nodes) and not any(n.token_ids.size for n in nodes)
             and not _byte_policy(nodes)
-            else int(sum(n.token_ids.size for n in nodes))
+            else tokens
         ),
         "seconds": round(seconds, 3),
         "retries": retries,

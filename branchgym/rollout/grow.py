@@ -122,8 +122,9 @@ DEFAULT_TREE_TIMEOUT = 3600.0
 def check_options(**options: Any) -> None:
     """Refuse out-of-range run options with :class:`~branchgym.error.OptionError`.
 
-    Known names: ``m`` (>= 0), ``k``, ``n``, ``max_steps``, ``max_concurrent`` (>= 1 or
-    None), ``gamma`` (finite, in [0, 1]), ``seed`` and ``env_seed`` (>= 0 or None).
+    Known names: ``m`` (>= 0), ``k``, ``n``, ``max_steps``, ``max_concurrent``,
+    ``max_tokens`` (>= 1 or None), ``gamma`` (finite, in [0, 1]), ``seed`` and ``env_seed``
+    (>= 0 or None).
     """
     for name, value in options.items():
         if name == "tree_timeout":
@@ -139,7 +140,7 @@ def check_options(**options: Any) -> None:
                 raise OptionError(f"gamma must be a finite number in [0, 1], got {value!r}")
             continue
         low = 0 if name in ("m", "seed", "env_seed") else 1
-        optional = name in ("max_steps", "max_concurrent", "seed", "env_seed")
+        optional = name in ("max_steps", "max_concurrent", "max_tokens", "seed", "env_seed")
         if value is None and optional:
             continue
         if isinstance(value, bool) or not isinstance(value, int | np.integer) or value < low:
@@ -818,13 +819,9 @@ def group_rollouts(
     ``max_tokens``: truncate a rollout after the decision at which its actions' tokens
     reach this many (None: no limit).
     """
-    if max_tokens is not None and (
-        isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 1
-    ):
-        raise ValueError(f"max_tokens must be a positive int or None, got {max_tokens!r}")
     check_options(
         n=n, max_steps=max_steps, max_concurrent=max_concurrent, gamma=gamma, seed=seed,
-        tree_timeout=tree_timeout,
+        tree_timeout=tree_timeout, max_tokens=max_tokens,
     )  # fmt: skip
     if env_noise not in ("fresh", "shared"):
         raise ValueError(f"env_noise must be 'fresh' or 'shared', got {env_noise!r}")
