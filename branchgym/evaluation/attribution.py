@@ -367,6 +367,7 @@ def forks_from(
     import branchgym
 
     prefix = float(sum(ep.rewards[:t]))
+    ctx = ep.context(t)  # immutable: every fork extends it into its own
     lines = []
     if states is None:
         while len(envs) < k:
@@ -375,10 +376,8 @@ def forks_from(
             env = envs[j]
             obs, info = branchgym.restore(env, ep.snaps[t])
             branchgym.reseed(env, int(rng.integers(2**63)))
-            line = {"env": env, "ctx": ep.context(t), "info": dict(info), "total": prefix,
-                    "done": False, "ok": False,
-                    "rng": np.random.default_rng(rng.integers(2**63)), "path": [],
-                    "act": agent.expert(env, rng) if agent.policy is None else None}  # fmt: skip
+            line = _fork_line(ctx, info, prefix, np.random.default_rng(rng.integers(2**63)))
+            line.update(env=env, act=agent.expert(env, rng) if agent.policy is None else None)
             lines.append(line)
     else:
         # the same draws in the same order as in-process: the same forks either way
@@ -393,9 +392,7 @@ def forks_from(
             ex.close([o.session for o in outs if o.error is None])
             _executor_ok(bad, f"restoring step {t}")
         for out, r in zip(outs, rngs, strict=True):
-            lines.append({"session": out.session, "ctx": ep.context(t), "info": dict(out.info),
-                          "total": prefix, "done": False, "ok": False, "rng": r, "path": [],
-                          "act": None})  # fmt: skip
+            lines.append({**_fork_line(ctx, out.info, prefix, r), "session": out.session})
     try:
         steps, tokens = _play_forks(lines, t, agent, max_steps, rng, states)
     finally:
@@ -403,6 +400,14 @@ def forks_from(
             states.executor.close([ln["session"] for ln in lines if not ln["done"]])
     paths = [ln["path"] for ln in lines]
     return sum(1 for ln in lines if ln["ok"]), steps, tokens, paths
+
+
+def _fork_line(
+    ctx: Context, info: dict[str, Any], prefix: float, rng: np.random.Generator
+) -> dict[str, Any]:
+    """One fork's running record from ``ctx`` (its env or session is added by the caller)."""
+    return {"ctx": ctx, "info": dict(info), "total": prefix, "done": False, "ok": False,
+            "rng": rng, "path": [], "act": None}  # fmt: skip
 
 
 def _play_forks(
@@ -446,6 +451,7 @@ def _play_forks(
             if bad is not None:
                 _executor_ok(bad, f"playing a fork at step {step}")
             results = [(o.observation, o.reward, o.terminated, o.truncated, o.info) for o in outs]
+        ended = []
         for ln, (action, text, ids, lps, ents), (obs, reward, term, trunc, info) in zip(
             live, moves, results, strict=True
         ):
@@ -463,8 +469,9 @@ def _play_forks(
             if term or cut:
                 ln["done"] = True
                 ln["ok"] = _succeeded(info, ln["total"])
-                if states is not None:
-                    states.executor.close([ln["session"]])
+                ended.append(ln)
+        if states is not None and ended:
+            states.executor.close([ln["session"] for ln in ended])
     return steps, tokens
 
 
