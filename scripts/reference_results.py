@@ -31,6 +31,7 @@ Stages, each a ``branchgym`` command (printed before it runs):
 from __future__ import annotations
 
 import argparse
+import datetime as dt
 import json
 import os
 import shlex
@@ -41,6 +42,8 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
+
+from branchgym.agents.training.checkpoints import latest_checkpoint
 
 ENV_ID = "branchgym/WebShop-v0"
 #: The training env: WebShop's train goals, the protocol's 6-step cap.
@@ -105,16 +108,6 @@ def _sets(options: dict[str, Any]) -> list[str]:
     return [f"{k}={_fmt(v)}" for k, v in options.items()]
 
 
-def latest_checkpoint(folder: Path) -> Path | None:
-    """The newest complete ``checkpoint-NNNNNN`` of a run folder, or None."""
-    ckpts = sorted(
-        p
-        for p in folder.glob("checkpoint-*")
-        if p.is_dir() and p.name[len("checkpoint-") :].isdigit()
-    )
-    return ckpts[-1] if ckpts else None
-
-
 class Recipe:
     """The stages' commands for one configuration (paths, model, device, budget)."""
 
@@ -133,7 +126,7 @@ class Recipe:
         cmd = [*self.bg, "train", "--env", ENV_ID, "--env-kwargs", json.dumps(ENV_KWARGS),
                "--policy", "scoring", "--device", self.a.device, "--log", "jsonl,tensorboard",
                "--no-progress", *fixed, "--out", str(out)]  # fmt: skip
-        ckpt = latest_checkpoint(out) if out.exists() else None
+        ckpt = latest_checkpoint(out)
         if ckpt is not None:
             cmd += ["--resume", str(ckpt)]
         elif out.exists():
@@ -181,7 +174,7 @@ class Recipe:
         """Whether a learner run reached its step cap or its env-step budget."""
         if out == self.runs / "sft":  # the warm start is done at its planned checkpoint
             return self.sft_model().is_dir()
-        ckpt = latest_checkpoint(out) if out.exists() else None
+        ckpt = latest_checkpoint(out)
         if ckpt is None:
             return False
         state = json.loads((ckpt / "trainer_state.json").read_text())
@@ -227,29 +220,34 @@ def run(cmd: list[str], log: Path, dry: bool) -> None:
         raise SystemExit(f"stage failed: {text}; see {log}")
 
 
+def _copy(src: Path, dest: Path, names: tuple[str, ...]) -> None:
+    dest.mkdir(parents=True, exist_ok=True)
+    for name in names:
+        if (src / name).exists():
+            shutil.copy2(src / name, dest / name)
+
+
 def copy_results(recipe: Recipe) -> None:
     """Copy the small result files of every finished run to ``--out`` (no weights)."""
     out, runs = recipe.out, recipe.runs
     for folder in sorted(runs.glob("*")):
-        if folder.name == "eval" or not (folder / "metrics.jsonl").exists():
-            continue
-        dest = out / "train" / folder.name
-        dest.mkdir(parents=True, exist_ok=True)
-        for name in ("metrics.jsonl", "args.json", "curves.png"):
-            if (folder / name).exists():
-                shutil.copy2(folder / name, dest / name)
+        if folder.name != "eval" and (folder / "metrics.jsonl").exists():
+            _copy(folder, out / "train" / folder.name, ("metrics.jsonl", "args.json", "curves.png"))
     timings = runs / "logs" / "timings.jsonl"
     known = set()
     if timings.exists():
         known = {json.loads(x)["log"] for x in timings.read_text().splitlines() if x.strip()}
-    for folder in sorted((runs / "eval").glob("*")):  # evals run by hand: from their files
-        summary, started = folder / "summary.json", folder / "run.json"
-        if f"eval-{folder.name}" in known or not summary.exists():  # timed by run()
+    for folder in sorted((runs / "eval").glob("*")):
+        summary = folder / "summary.json"
+        if not summary.exists():
             continue
-        import datetime as dt
-
-        t0 = dt.datetime.fromisoformat(json.loads(started.read_text())["started"]).timestamp()
-        minutes = (summary.stat().st_mtime - t0) / 60
+        _copy(folder, out / "eval" / folder.name,
+              ("summary.json", "run.json", "episodes.jsonl", "report.md"))  # fmt: skip
+        if f"eval-{folder.name}" in known:  # timed by run()
+            continue
+        # an eval run by hand: timed from its files
+        started = json.loads((folder / "run.json").read_text())["started"]
+        minutes = (summary.stat().st_mtime - dt.datetime.fromisoformat(started).timestamp()) / 60
         timings.parent.mkdir(parents=True, exist_ok=True)
         with open(timings, "a") as fh:
             fh.write(json.dumps({"log": f"eval-{folder.name}", "minutes": round(minutes, 2),
@@ -258,14 +256,6 @@ def copy_results(recipe: Recipe) -> None:
     if timings.exists():
         out.mkdir(parents=True, exist_ok=True)
         shutil.copy2(timings, out / "timings.jsonl")
-    for folder in sorted((runs / "eval").glob("*")):
-        if not (folder / "summary.json").exists():
-            continue
-        dest = out / "eval" / folder.name
-        dest.mkdir(parents=True, exist_ok=True)
-        for name in ("summary.json", "run.json", "episodes.jsonl", "report.md"):
-            if (folder / name).exists():
-                shutil.copy2(folder / name, dest / name)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -304,22 +294,22 @@ def main(argv: list[str] | None = None) -> int:
     t0 = time.time()
     if "sft" in a.stages and not recipe.train_done(recipe.runs / "sft"):
         run(recipe.sft_command(), logs / "sft.log", dry)
-    jobs: list[tuple[list[str], Path]] = []
+    train_jobs: list[tuple[list[str], Path]] = []
     if "train" in a.stages:
         for name in recipe.run_names():
             if not recipe.train_done(recipe.runs / name):
                 learner, _, seed = name.rpartition("-s")
-                jobs.append((recipe.learner_command(learner, int(seed)), logs / f"{name}.log"))
+                cmd = recipe.learner_command(learner, int(seed))
+                train_jobs.append((cmd, logs / f"{name}.log"))
+    eval_jobs: list[tuple[list[str], Path]] = []
     if "eval" in a.stages:
         evals = {"expert": "expert", "random": "random", "zero-shot": a.model,
                  "sft": str(recipe.sft_model())}  # fmt: skip
         evals.update({n: str(recipe.runs / n) for n in recipe.run_names()})
         for name, agent in evals.items():
             if not recipe.eval_done(name):
-                jobs.append((recipe.eval_command(name, agent), logs / f"eval-{name}.log"))
+                eval_jobs.append((recipe.eval_command(name, agent), logs / f"eval-{name}.log"))
     # training runs first (evaluations of learners need their checkpoints): two pools
-    train_jobs = [j for j in jobs if " train " in f" {' '.join(j[0])} "]
-    eval_jobs = [j for j in jobs if j not in train_jobs]
     for batch in (train_jobs, eval_jobs):
         with ThreadPoolExecutor(max_workers=max(1, a.jobs)) as pool:
             list(pool.map(lambda j: run(j[0], j[1], dry), batch))

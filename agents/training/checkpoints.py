@@ -39,6 +39,7 @@ except ImportError as exc:  # pragma: no cover - exercised only without the extr
 __all__ = [
     "CHECKPOINT_VERSION",
     "json_default",
+    "latest_checkpoint",
     "load_checkpoint_state",
     "optimizer_state",
     "optimizer_tensors",
@@ -94,8 +95,24 @@ def optimizer_state(tensors: dict[str, Tensor], meta: dict[str, Any]) -> dict[st
     return {"state": state, "param_groups": groups}
 
 
-def load_checkpoint_state(folder: str | Path) -> dict[str, Any]:
-    """The ``trainer_state.json`` of a checkpoint (a :class:`CheckpointError` if absent)."""
+def latest_checkpoint(run_dir: str | Path) -> Path | None:
+    """The newest complete ``checkpoint-NNNNNN`` of a run folder, or None.
+
+    ``-crash`` and ``.partial`` folders are not complete checkpoints.
+    """
+    done = [
+        p for p in Path(run_dir).glob("checkpoint-*")
+        if p.is_dir() and p.name[len("checkpoint-") :].isdigit()
+    ]  # fmt: skip
+    return max(done, default=None)
+
+
+def load_checkpoint_state(folder: str | Path, *, verify: bool = True) -> dict[str, Any]:
+    """The ``trainer_state.json`` of a checkpoint (a :class:`CheckpointError` if absent).
+
+    ``verify``: check every file against its recorded digest (resuming needs it; reading
+    what the run was, e.g. its policy, does not).
+    """
     path = Path(folder) / "trainer_state.json"
     if not path.is_file():
         raise CheckpointError(
@@ -111,7 +128,8 @@ def load_checkpoint_state(folder: str | Path) -> dict[str, Any]:
             f"{path} has checkpoint version {state.get('version')}, this branchgym reads "
             f"{', '.join(map(str, READABLE_VERSIONS))}."
         )
-    verify_files(Path(folder), state.get("files"))
+    if verify:
+        verify_files(Path(folder), state.get("files"))
     return state
 
 

@@ -148,19 +148,17 @@ def agent_kind(spec: str) -> str:
 
 def _latest_checkpoint(folder: Path) -> Path:
     """A model folder: ``folder`` itself, or the latest ``checkpoint-*`` of a run folder."""
+    from branchgym.agents.training.checkpoints import latest_checkpoint
+
     if (folder / "config.json").exists() or (folder / "adapter_config.json").exists():
         return folder
-    ckpts = sorted(
-        p
-        for p in folder.glob("checkpoint-*")
-        if p.is_dir() and not p.name.endswith(("-crash", ".partial"))
-    )
-    if not ckpts:
+    ckpt = latest_checkpoint(folder)
+    if ckpt is None:
         raise OptionError(
             f"{folder} is neither a model folder (config.json) nor a branchgym train run "
             "with a checkpoint-NNNNNN folder; pass the model folder or the run's --out"
         )
-    return ckpts[-1]
+    return ckpt
 
 
 def _folder_digest(folder: Path) -> str:
@@ -180,13 +178,11 @@ def _trained_as(folder: Path) -> dict[str, Any]:
     Its ``trainer_state.json``'s policy kind and scoring template; ``{}`` for a model
     folder no run wrote.
     """
-    path = folder / "trainer_state.json"
-    if not path.is_file():
+    from branchgym.agents.training.checkpoints import load_checkpoint_state
+
+    if not (folder / "trainer_state.json").is_file():
         return {}
-    try:
-        state = json.loads(path.read_text())
-    except json.JSONDecodeError as exc:
-        raise OptionError(f"{path} is not JSON ({exc}); restore it from the run") from exc
+    state = load_checkpoint_state(folder, verify=False)  # the weights load next anyway
     args = state.get("args") or {}
     return {"policy": state.get("policy"), "scoring_template": args.get("scoring_template")}
 
