@@ -32,11 +32,16 @@ NAMES = {
 
 
 def _metrics(path: Path) -> list[dict[str, float]]:
-    lines = []
-    for line in path.read_text().splitlines():
-        if line.strip():
-            lines.append(json.loads(line))
-    return [d for d in lines if "env/steps" in d or "losses/sft" in d]
+    """The training steps' lines of a ``metrics.jsonl`` (not its evaluation lines)."""
+    from branchgym.agents.training.saving import read_metrics
+
+    return [d for d in read_metrics(path) if "env/steps" in d or "losses/sft" in d]
+
+
+def _learner_seed(name: str) -> tuple[str, str]:
+    """``("grpo", "0")`` for the run ``grpo-s0``; ``(name, "")`` for the other rows."""
+    m = re.fullmatch(r"(.+)-s(\d+)", name)
+    return (m.group(1), m.group(2)) if m else (name, "")
 
 
 def train_cost(folder: Path) -> dict[str, float]:
@@ -55,17 +60,9 @@ def train_cost(folder: Path) -> dict[str, float]:
 
 
 def eval_row(folder: Path) -> dict[str, Any]:
-    """Score and success with intervals, and the eval's cost, from a copied eval run."""
-    s = json.loads((folder / "summary.json").read_text())
-    m = s["metrics"]
-    return {
-        "score": m["score"],
-        "success": m["success"],
-        "complete": s.get("complete", False),
-        "episodes": s["counts"]["episodes"],
-        "invalid": s["counts"].get("invalid_actions", 0),
-        "env_steps": s.get("cost", {}).get("env_steps", 0),
-    }
+    """Score and success with their intervals, from a copied eval run."""
+    m = json.loads((folder / "summary.json").read_text())["metrics"]
+    return {"score": m["score"], "success": m["success"]}
 
 
 def _iv(m: dict[str, Any], scale: float = 1.0, digits: int = 1) -> str:
@@ -102,9 +99,8 @@ def write_report(runs: Path, out: Path, *, learners: list[str], seeds: list[int]
     ]
     total_cpu = 0.0
     for name, r in rows.items():
-        m = re.fullmatch(r"(.+)-s(\d+)", name)  # a learner run: <learner>-s<seed>
-        base, seed = (m.group(1), m.group(2)) if m else (name, "")
-        label = NAMES.get(base or name, name)
+        base, seed = _learner_seed(name)
+        label = NAMES.get(base, name)
         cost = {"env_steps": 0, "learner_tokens": 0, "hours": 0.0, "cpu_hours": 0.0}
         tdir = out / "train" / name
         if name not in ("expert", "random", "zero-shot") and tdir.exists():
@@ -121,7 +117,7 @@ def write_report(runs: Path, out: Path, *, learners: list[str], seeds: list[int]
     for name in runs_:  # trained, not evaluated yet: the training row alone
         if name in rows or not (out / "train" / name / "metrics.jsonl").exists():
             continue
-        base, _, seed = name.rpartition("-s")
+        base, seed = _learner_seed(name)
         cost = train_cost(out / "train" / name)
         total_cpu += cost["cpu_hours"]
         lines.append(
@@ -219,7 +215,7 @@ def plot_curves(out: Path, learners: list[str], seeds: list[int], rows: dict[str
 
 if __name__ == "__main__":
     folder = Path(sys.argv[1] if len(sys.argv) > 1 else "reference/webshop-small")
-    names = sorted(p.name for p in (folder / "train").glob("*-s*"))
-    found_learners = sorted({n.rpartition("-s")[0] for n in names})
-    found_seeds = sorted({int(n.rpartition("-s")[2]) for n in names})
+    runs = [_learner_seed(p.name) for p in (folder / "train").iterdir()]
+    found_learners = sorted({base for base, seed in runs if seed})
+    found_seeds = sorted({int(seed) for _, seed in runs if seed})
     write_report(folder, folder, learners=found_learners, seeds=found_seeds)
