@@ -279,40 +279,53 @@ def _texttree_digest(env: Any) -> str:
     return stable_hash({"maze": env.unwrapped.snapshot_identity()})
 
 
+def _webshop_protocol(
+    name: str,
+    max_steps: int,
+    list_tasks: Callable[[Any], list[Task]],
+    description: str,
+    *,
+    published: str,
+    version: int = 1,
+) -> Protocol:
+    """A protocol on WebShop's ``test`` goals: average score x100 and success."""
+    return Protocol(
+        name=name,
+        version=version,
+        env_id="branchgym/WebShop-v0",
+        env_kwargs={"split": "test", "max_steps": max_steps},
+        max_steps=max_steps,
+        metric="score",
+        category_key=None,
+        list_tasks=list_tasks,
+        data_digest=_webshop_digest,
+        description=description,
+        published=published,
+    )
+
+
 #: Test goals of ``webshop-small``: the first 200 of the 500 (issue-sized for CPU evals).
 SMALL_GOALS = 200
 
 #: name -> protocol.
 PROTOCOLS: dict[str, Protocol] = {
-    "webshop-test": Protocol(
-        name="webshop-test",
-        version=1,
-        env_id="branchgym/WebShop-v0",
-        env_kwargs={"split": "test", "max_steps": 15},
-        max_steps=15,
-        metric="score",
-        category_key=None,
-        list_tasks=_webshop_tasks,
-        data_digest=_webshop_digest,
-        description="WebShop's 500 test goals, 15 steps: score x100 and success rate",
+    "webshop-test": _webshop_protocol(
+        "webshop-test",
+        15,
+        _webshop_tasks,
+        "WebShop's 500 test goals, 15 steps: score x100 and success rate",
         published=(
             "WebShop paper (Yao et al. 2022), test set: IL 59.9 score / 29.1 % success, "
             "IL+RL 62.4 / 28.7 %, human experts 82.1 / 59.6 %; ReAct (Yao et al. 2023, "
             "PaLM-540B prompting) 66.6 / 40.0 %"
         ),
     ),
-    "webshop-small": Protocol(
-        name="webshop-small",
-        version=1,
-        env_id="branchgym/WebShop-v0",
-        env_kwargs={"split": "test", "max_steps": 6},
-        max_steps=6,
-        metric="score",
-        category_key=None,
-        list_tasks=_webshop_small_tasks,
-        data_digest=_webshop_digest,
-        description="the first 200 WebShop test goals, 6 steps: the reference-results "
-        "protocol (docs/results.md), sized for a 135M model on a CPU",
+    "webshop-small": _webshop_protocol(
+        "webshop-small",
+        6,
+        _webshop_small_tasks,
+        "the first 200 WebShop test goals, 6 steps: the reference-results protocol "
+        "(docs/results.md), sized for a 135M model on a CPU",
         published="none: a small-model protocol of this project (docs/results.md)",
     ),
     **{
