@@ -114,7 +114,8 @@ def configure(p: argparse.ArgumentParser) -> None:
                    help="endpoint: concurrent requests (8)")  # fmt: skip
     p.add_argument("--executor", default=None,
                    help="where envs run: thread (eval's default), inprocess, process, ray, "
-                   "fleet; attribute: the forks' envs (default: in this process)")  # fmt: skip
+                   "fleet; attribute and compare --from-states: the forks' envs (default: in this "
+                   "process)")  # fmt: skip
     p.add_argument("--executor-options", type=_json_dict, default={},
                    help="the executor's keyword arguments (JSON)")  # fmt: skip
     p.add_argument("--episode-timeout", type=_positive(float), help="seconds per episode")
@@ -177,6 +178,7 @@ def _compare_from_states(args: argparse.Namespace) -> int:
     res = compare_from_states(
         args.runs[0], args.runs[1], depths=depths, forks=args.forks,
         max_episodes=args.max_episodes, seed=args.seed, progress=not args.no_progress,
+        executor=args.executor, executor_options=args.executor_options,
     )  # fmt: skip
     d, a, b = res["a_minus_b"], res["a_from_states"], res["b_from_states"]
     print(

@@ -34,6 +34,8 @@ def compare_from_states(
     agents: tuple[Any, Any] | None = None,
     make_env: Callable[[], Any] | None = None,
     progress: bool = True,
+    executor: str | None = None,
+    executor_options: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """Both runs' agents from the same snapshots, taken along run A's episodes.
 
@@ -44,12 +46,20 @@ def compare_from_states(
     The report also gives each agent's env steps, to compare at equal cost with two
     independent runs.
 
+    With ``executor`` (``thread``, ``process``, ``ray``, ``fleet``:
+    :func:`~branchgym.rollout.executors.make_executor`, with ``executor_options``), each of
+    A's episodes is replayed once in one of its sessions with a snapshot per step and both
+    agents' forks restore there, as ``eval attribute --executor`` does; the forks draw the
+    same seeds in the same order, so the result equals the in-process one.
+
     Raises:
-        OptionError: The runs are of different envs, or a run graded predictions.
+        OptionError: The runs are of different envs, a run graded predictions, or an
+            executor was asked for an agent that reads its live env (a scripted expert).
         FidelityViolation: The env's snapshots are not faithful.
     """
     from tqdm import tqdm
 
+    from branchgym.evaluation.attribution import ExecutorStates
     from branchgym.evaluation.protocols import Task
     from branchgym.evaluation.runner import read_episodes
     from branchgym.evaluation.stats import mean_interval, paired_difference
@@ -67,6 +77,18 @@ def compare_from_states(
     if make_env is None:
         make_env = EnvRecipe(proto["env_id"], dict(proto["env_kwargs"])).make
     check_forks(make_env, seed=seed)
+    pool = None
+    if executor is not None:
+        from branchgym.rollout.executors import make_executor
+
+        expert = next((a for a in (agent_a, agent_b) if a.policy is None), None)
+        if expert is not None:
+            raise OptionError(
+                f"the {expert.spec!r} agent reads its live env, so its forks run in-process; "
+                "drop --executor"
+            )
+        pool = make_executor(executor, **(executor_options or {}))
+    recipe = EnvRecipe(proto["env_id"], dict(proto["env_kwargs"]))
     tasks = {tid: Task(tid, s, o) for tid, s, o in proto["task_specs"]}
     recs = [r for r in read_episodes(Path(run_a) / "episodes.jsonl").values()
             if r.get("tree") and r["outcome"] not in ("infra_error", "agent_error")]  # fmt: skip
@@ -83,7 +105,10 @@ def compare_from_states(
             (tree,) = load_trees(Path(run_a) / rec["tree"])
             task = tasks[rec["task"]]
             ep = Episode(tree, make_env, task.options or None)
+            states = None
             try:
+                if pool is not None:
+                    states = ExecutorStates(ep, pool, recipe)
                 chosen = sorted({int(d * len(ep.nodes)) for d in depths})
                 for t in chosen:
                     if t >= len(ep.nodes):
@@ -91,14 +116,18 @@ def compare_from_states(
                     key = f"{rec['task']}#{rec['attempt']}@{t}"
                     for name, agent, out in (("a", agent_a, va), ("b", agent_b, vb)):
                         s, n_steps, _, _ = forks_from(ep, t, forks, agent, make_env, envs,
-                                               proto["max_steps"], rng)  # fmt: skip
+                                               proto["max_steps"], rng, states)  # fmt: skip
                         out[key] = s / forks
                         steps[name] += n_steps
             finally:
+                if states is not None:
+                    states.close()
                 ep.close()
     finally:
         for env in envs:
             env.close()
+        if pool is not None:
+            pool.shutdown()
     if not va:
         raise OptionError("no state to compare from: run A has no recorded episode")
     diff = paired_difference(va, vb)

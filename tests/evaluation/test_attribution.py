@@ -235,6 +235,70 @@ def test_forks_through_an_executor_equal_the_in_process_forks(tmp_path, executor
         attribute_run(expert_run, forks=2, episodes="all", executor=executor, progress=False)
 
 
+@pytest.mark.parametrize("executor", ["thread", "process"])
+def test_compare_from_states_through_an_executor_equals_in_process(tmp_path, executor):
+    from branchgym.error import OptionError
+    from branchgym.evaluation.from_states import compare_from_states
+
+    proto = get_protocol("texttree-ci").resolve(tasks=6)
+    a, b = tmp_path / "a", tmp_path / "b"
+    for seed, run in enumerate((a, b)):
+        run_eval(proto, make_agent("random", proto.env_id), run,
+                 EvalOptions(progress=False, seed=seed))  # fmt: skip
+    local = compare_from_states(a, b, forks=5, progress=False)
+    remote = compare_from_states(a, b, forks=5, progress=False, executor=executor,
+                                 executor_options={"n_workers": 2})  # fmt: skip
+    assert remote == local and local["states"] == 12
+    run_eval(proto, make_agent("expert", proto.env_id), tmp_path / "expert",
+             EvalOptions(progress=False))  # fmt: skip
+    with pytest.raises(OptionError, match="forks run in-process"):
+        compare_from_states(tmp_path / "expert", a, forks=2, progress=False, executor=executor)
+
+
+@pytest.mark.slow
+def test_attribution_and_from_states_over_ray_and_served_envs(tmp_path):
+    """Ray actors and `branchgym serve` processes on loopback hold the states; same values."""
+    pytest.importorskip("ray")
+    pytest.importorskip("websockets")
+    from branchgym.evaluation.from_states import compare_from_states
+    from branchgym.remote import RemoteEnv
+    from branchgym.serve.process import ServerProcess
+
+    proto = get_protocol("texttree-ci").resolve(tasks=4)
+    for seed, name in enumerate("ab"):
+        run_eval(proto, make_agent("random", proto.env_id), tmp_path / name,
+                 EvalOptions(progress=False, seed=seed))  # fmt: skip
+    attribute_run(tmp_path / "a", forks=4, episodes="all", mode="all", progress=False)
+    local = [json.loads(x) for x in (tmp_path / "a" / "attribution.jsonl").open()]
+    pair = compare_from_states(tmp_path / "a", tmp_path / "b", forks=4, progress=False)
+    servers = [ServerProcess(proto.env_id, proto.env_kwargs).start() for _ in range(2)]
+    try:
+        for s in servers:
+            s.wait_ready()
+        for executor, options in (("ray", {"n_workers": 2}),
+                                  ("fleet", {"urls": [s.url for s in servers]})):  # fmt: skip
+            attribute_run(tmp_path / "a", forks=4, episodes="all", mode="all", progress=False,
+                          executor=executor, executor_options=options)  # fmt: skip
+            remote = [json.loads(x) for x in (tmp_path / "a" / "attribution.jsonl").open()]
+            assert [r["values"] for r in remote] == [r["values"] for r in local], executor
+            assert compare_from_states(tmp_path / "a", tmp_path / "b", forks=4, progress=False,
+                                       executor=executor, executor_options=options) == pair
+        # the states lived on the servers: a snapshot there before every step of every
+        # episode, once for the attribution and once for the comparison
+        counts = []
+        for s in servers:
+            env = RemoteEnv(s.url)
+            try:
+                counts.append(env.stats()["messages"])
+            finally:
+                env.close()
+        snaps = sum(c.get("snapshot", 0) for c in counts)
+        assert snaps >= 2 * sum(r["length"] for r in local), counts
+    finally:
+        for s in servers:
+            s.stop()
+
+
 def test_a_model_run_is_forked_with_the_policy_and_dtype_it_was_played_with():
     from branchgym.evaluation.attribution_run import agent_from_run
 
