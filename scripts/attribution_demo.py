@@ -5,9 +5,11 @@
 WebShop: the shopper, except that at step 2 (an item page) it buys at once with
 probability 0.5, before choosing the options the goal names: an unrecoverable mistake.
 Its failed episodes should be attributed to step 2 (a purchase). ALFWorld: the planner,
-except that it takes a random admissible action with probability 0.7 at every step; its
-failed episodes are attributed to wherever V fell. Prints each run's attribution report
-(``branchgym eval attribute``'s), and writes the run folders with their value-curve plots.
+except that at step 2 it goes to a wrong place with probability 0.5, with the step cap at
+the planner's own episode length (no ALFWorld action is irreversible: the budget makes the
+wasted step unrecoverable); its failed episodes should be attributed to step 2. Prints
+each run's attribution report (``branchgym eval attribute``'s), and writes the run folders
+with their value-curve plots.
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from branchgym.bench.eval_states import faulty_expert
+from branchgym.bench.eval_states import mistaken_expert
 from branchgym.evaluation.agents import Agent, make_agent
 from branchgym.evaluation.attribution_run import attribute_run
 from branchgym.evaluation.protocols import get_protocol
@@ -47,20 +49,33 @@ def webshop(out: Path, args: argparse.Namespace) -> None:
            and r["actions"][2] != "click[buy now]"]
     sub = get_protocol("webshop-test").resolve(tasks=ids)
     slip = Agent("shopper buying early at step 2 (p 0.5)", "expert", None,
-                 faulty_expert(web.env_id, 0.5), {"kind": "faulty", "slip": 0.5})
+                 mistaken_expert(web.env_id, 2, 0.5), {"kind": "mistaken", "step": 2, "p": 0.5})
     run_eval(sub, slip, out / "webshop-slip", EvalOptions(episodes_per_task=2, progress=False))
     attribute_run(out / "webshop-slip", forks=args.forks, agent=slip, progress=False)
     print((out / "webshop-slip" / "attribution.md").read_text())
 
 
 def alfworld(out: Path, args: argparse.Namespace) -> None:
-    """The planner that takes random actions."""
-    alf = get_protocol("alfworld-thor-unseen").resolve(tasks=min(args.tasks, 20))
-    noisy = Agent("planner with random actions (p 0.7)", "expert", None,
-                  faulty_expert(alf.env_id, 0.7), {"kind": "faulty", "slip": 0.7})
-    run_eval(alf, noisy, out / "alfworld-noisy", EvalOptions(progress=False))
-    attribute_run(out / "alfworld-noisy", forks=args.forks // 2, agent=noisy, progress=False)
-    print((out / "alfworld-noisy" / "attribution.md").read_text())
+    """The planner that goes to a wrong place at step 2, with no step to spare."""
+    proto = get_protocol("alfworld-thor-unseen")
+    every = proto.resolve().tasks
+    ids = [t.id for t in every[:: max(1, len(every) // args.tasks)]][: args.tasks]
+    alf = proto.resolve(tasks=ids)
+    run_eval(alf, make_agent("expert", alf.env_id), out / "alfworld-expert",
+             EvalOptions(progress=False, resume=(out / "alfworld-expert/run.json").exists()))
+    # the step cap at the planner's own episode length: the one wasted step loses
+    lengths: dict[int, list[str]] = {}
+    for (task, _), rec in read_episodes(out / "alfworld-expert" / "episodes.jsonl").items():
+        if rec["success"]:
+            lengths.setdefault(len(rec["actions"]), []).append(task)
+    slip = Agent("planner going astray at step 2 (p 0.5)", "expert", None,
+                 mistaken_expert(alf.env_id, 2, 0.5), {"kind": "mistaken", "step": 2, "p": 0.5})
+    for cap, tasks in sorted(lengths.items()):
+        sub = proto.resolve(tasks=tasks, max_steps=cap)
+        run = out / f"alfworld-slip-cap{cap}"
+        run_eval(sub, slip, run, EvalOptions(episodes_per_task=2, progress=False))
+        attribute_run(run, forks=args.forks, agent=slip, progress=False)
+        print((run / "attribution.md").read_text())
 
 
 if __name__ == "__main__":

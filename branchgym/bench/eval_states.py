@@ -27,7 +27,7 @@ from typing import Any
 
 from branchgym.bench.common import Report, positive_int
 
-__all__ = ["configure", "main"]
+__all__ = ["configure", "faulty_expert", "main", "mistaken_expert"]
 
 ENVS = {"webshop": "webshop-test", "alfworld": "alfworld-thor-unseen"}
 
@@ -42,8 +42,17 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--out", default="results", help="report folder")
 
 
-def faulty_expert(env_id: str, slip: float) -> Any:
-    """The env's expert with a fault (module notes), as an env agent factory."""
+def mistaken_expert(env_id: str, step: int, p: float) -> Any:
+    """The env's expert making one known mistake at ``step`` with probability ``p``.
+
+    WebShop: it buys at once (before choosing the options the goal names, which loses the
+    episode). ALFWorld: it goes to a location other than one its plan needs next. No
+    ALFWorld action is irreversible (every effect of its PDDL domain can be undone), so
+    that mistake is unrecoverable only against the step budget: with the step cap at the
+    planner's own episode length, the one wasted step loses the episode. Where the truth
+    of attribution is known (``tests/evaluation/test_attribution.py``,
+    ``scripts/attribution_demo.py``).
+    """
     from branchgym.agents.policies.experts import alfworld_expert, webshop_expert
 
     if env_id == "branchgym/WebShop-v0":
@@ -52,11 +61,35 @@ def faulty_expert(env_id: str, slip: float) -> Any:
             act = webshop_expert(env, rng)
             return lambda obs, info: (
                 "click[buy now]"
-                if int(info.get("step", -1)) == 2 and rng.random() < slip
+                if int(info.get("step", -1)) == step and rng.random() < p
                 else act(obs, info)
             )
 
         return make
+
+    def make_alf(env: Any, rng: Any) -> Any:
+        act = alfworld_expert(env, rng)
+        base = env.unwrapped  # ALFWorld's info has no step count; its env keeps one
+
+        def mistake(obs: Any, info: dict[str, Any]) -> str:
+            right = act(obs, info)
+            if base.step_index != step or rng.random() >= p:
+                return right
+            wrong = [str(a) for a in info.get("admissible_actions") or []
+                     if str(a).startswith("go to ") and str(a) != right]  # fmt: skip
+            return wrong[int(rng.integers(len(wrong)))] if wrong else right
+
+        return mistake
+
+    return make_alf
+
+
+def faulty_expert(env_id: str, slip: float) -> Any:
+    """The env's expert with a fault (module notes), as an env agent factory."""
+    from branchgym.agents.policies.experts import alfworld_expert
+
+    if env_id == "branchgym/WebShop-v0":
+        return mistaken_expert(env_id, 2, slip)
 
     def make_alf(env: Any, rng: Any) -> Any:
         act = alfworld_expert(env, rng)

@@ -93,6 +93,45 @@ def test_attribution_names_the_step_of_a_known_mistake_on_webshop(tmp_path):
 
 
 @pytest.mark.slow
+def test_attribution_names_the_step_of_a_known_mistake_on_alfworld(tmp_path):
+    """The planner goes to a wrong place at step 2 with probability 0.5.
+
+    No ALFWorld action is irreversible, so the step cap is set to the planner's own episode
+    length on each game: the wasted step is what loses the episode.
+    """
+    from branchgym.bench.eval_states import mistaken_expert
+
+    proto = get_protocol("alfworld-thor-unseen")
+    every = proto.resolve().tasks
+    spread = proto.resolve(tasks=[t.id for t in every[:: len(every) // 32]])  # all task types
+    run_eval(spread, make_agent("expert", spread.env_id), tmp_path / "expert",
+             EvalOptions(progress=False))  # fmt: skip
+    caps: dict[int, list[str]] = {}
+    short = 0  # the games the planner wins in at most 5 steps: forks from each state are cheap
+    for (task, _), rec in read_episodes(tmp_path / "expert" / "episodes.jsonl").items():
+        assert rec["success"]
+        if len(rec["actions"]) <= 5 and short < 12:
+            caps.setdefault(len(rec["actions"]), []).append(task)
+            short += 1
+    assert short == 12
+    slip = Agent("slip", "expert", None, mistaken_expert(spread.env_id, 2, 0.5), {"kind": "slip"})
+    results = []
+    for cap, tasks in caps.items():
+        run = tmp_path / f"cap{cap}"
+        run_eval(proto.resolve(tasks=tasks, max_steps=cap), slip, run,
+                 EvalOptions(episodes_per_task=2, progress=False))  # fmt: skip
+        attribute_run(run, forks=24, episodes="all", agent=slip, progress=False)
+        results += [json.loads(x) for x in (run / "attribution.jsonl").open()]
+    failed = [r for r in results if not r["success"]]
+    won = [r for r in results if r["success"]]
+    assert len(failed) >= 8 and won
+    named = [r for r in failed if r["decisive"] == 2]
+    assert len(named) >= 0.9 * len(failed), [r["statement"] for r in failed]
+    assert all(r["action"]["kind"] == "navigation" for r in named)
+    assert all(r["decisive"] is None for r in won)
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize("protocol", ["webshop-test", "alfworld-thor-unseen"])
 def test_a_correct_expert_episode_has_no_decisive_step(tmp_path, protocol):
     proto = get_protocol(protocol).resolve(tasks=8)
