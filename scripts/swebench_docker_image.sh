@@ -1,19 +1,26 @@
 #!/usr/bin/env bash
 # Build (or load from cache) the SWE-bench base image offline: no registry is needed.
 #
-#   scripts/swebench_docker_image.sh            # ensure branchgym/swebench-base:bookworm exists
+#   scripts/swebench_docker_image.sh            # ensure branchgym/swebench-base:bookworm-<hash> exists
 #
-# Debian minbase + python3, git, pytest, patch, built with debootstrap from the Debian
-# package mirror apt uses, then `docker import`ed. The root file system tarball is kept in
-# $BRANCHGYM_CACHE/docker (default ~/.cache/branchgym/docker), so a machine that lost its
-# Docker images re-imports it in seconds instead of rebuilding (about 2 minutes).
+# Debian minbase + python3, pytest, pip (with setuptools and wheel), tkinter, git and
+# patch, built with debootstrap from the Debian package mirror apt uses, then `docker
+# import`ed. pip and setuptools install each repository into an environment image over
+# this one (branchgym/envs/swebench/docker_env.py); tkinter is what six's tests import.
+# The tag and the cached tarball are named after a hash of PACKAGES: a machine that built
+# an image from another list builds this one anew instead of reusing the old one under the
+# same name (branchgym's BASE_IMAGE, in docker_backend.py, names the same hash; a test
+# checks they agree). The root file system tarball is kept in $BRANCHGYM_CACHE/docker
+# (default ~/.cache/branchgym/docker), so a machine that lost its Docker images
+# re-imports it in seconds instead of rebuilding (about 2 minutes).
 set -euo pipefail
 
-IMAGE="${BRANCHGYM_DOCKER_IMAGE:-branchgym/swebench-base:bookworm}"
+PACKAGES="python3,python3-pytest,python3-pip,python3-tk,git,patch,ca-certificates"
+PACKAGES_HASH="$(printf '%s' "$PACKAGES" | sha256sum | cut -c1-8)"
 SUITE="${BRANCHGYM_DEBIAN_SUITE:-bookworm}"
+IMAGE="${BRANCHGYM_DOCKER_IMAGE:-branchgym/swebench-base:$SUITE-$PACKAGES_HASH}"
 CACHE="${BRANCHGYM_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/branchgym}/docker"
-TARBALL="$CACHE/swebench-base-$SUITE.tar"
-PACKAGES="python3,python3-pytest,git,patch,ca-certificates"
+TARBALL="$CACHE/swebench-base-$SUITE-$PACKAGES_HASH.tar"
 
 if docker image inspect "$IMAGE" >/dev/null 2>&1; then
     echo "swebench image: $IMAGE present"
@@ -26,6 +33,7 @@ import_tarball() {
         --change 'ENV LANG=C.UTF-8' \
         --change 'WORKDIR /testbed' \
         --change 'CMD ["sleep", "infinity"]' \
+        --change "LABEL branchgym.packages=$PACKAGES" \
         "$TARBALL" "$IMAGE" >/dev/null
     echo "swebench image: imported $IMAGE from $TARBALL"
 }

@@ -103,6 +103,7 @@ from branchgym.error import DependencyMissingError, SandboxError, SandboxUnavail
 __all__ = [
     "DockerBackend",
     "BASE_IMAGE",
+    "BASE_PACKAGES_HASH",
     "docker_client",
     "owned_resources",
     "prune_stale",
@@ -113,8 +114,14 @@ __all__ = [
     "CONDA_ACTIVATE",
 ]
 
+#: The first 8 hex digits of the sha256 of ``PACKAGES`` in scripts/swebench_docker_image.sh,
+#: which tags the image it builds ``bookworm-<them>``: an image built from another package
+#: list has another name, and is not taken for this one (a test checks the two agree).
+BASE_PACKAGES_HASH = "805d44eb"
 #: The base image ``scripts/swebench_docker_image.sh`` builds (``$BRANCHGYM_DOCKER_IMAGE``).
-BASE_IMAGE = os.environ.get("BRANCHGYM_DOCKER_IMAGE", "branchgym/swebench-base:bookworm")
+BASE_IMAGE = os.environ.get(
+    "BRANCHGYM_DOCKER_IMAGE", f"branchgym/swebench-base:bookworm-{BASE_PACKAGES_HASH}"
+)
 #: ``image=`` words: SWE-bench's image if present else built here / SWE-bench's only /
 #: built here only (anything else is an image name or ``{instance_id}`` template).
 IMAGE_MODES = ("auto", "swebench", "branchgym")
