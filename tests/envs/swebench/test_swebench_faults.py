@@ -60,8 +60,41 @@ def _sandbox_dirs():
     return {d.name for d in root.iterdir()} if root.exists() else set()
 
 
-def _leftovers(before_dirs, backend):
-    """Mounts, non-empty sandbox folders and containers left behind (after a grace period)."""
+def _our_containers(before):
+    """Containers this test left: new ones owned by this process or by a dead one (a worker).
+
+    Another branchgym process on the host (a second test run, a training job) owns live
+    containers of its own: they are not this test's leak.
+    """
+    import os
+
+    from branchgym.envs.swebench.docker_backend import docker_client
+    from branchgym.envs.swebench.docker_sandbox import OWNER_LABEL
+
+    def ours(labels):
+        pid = labels.get("branchgym.pid", "")
+        if not pid.isdigit() or int(pid) == os.getpid():
+            return True
+        try:
+            os.kill(int(pid), 0)
+        except ProcessLookupError:
+            return True  # a worker of this test that exited and left it
+        except PermissionError:
+            return False
+        return False
+
+    listed = docker_client().api.containers(all=True, filters={"label": [OWNER_LABEL]})
+    if before is None:  # at the start: every owned container there is, whoever owns it
+        return [c["Id"] for c in listed]
+    return [c["Id"] for c in listed if c["Id"] not in before and ours(c.get("Labels") or {})]
+
+
+def _leftovers(before_dirs, backend, before_containers=()):
+    """Mounts, non-empty sandbox folders and containers left behind (after a grace period).
+
+    The test keeps its sandboxes under its own ``BRANCHGYM_SANDBOX_DIR``, so the mounts and
+    folders of other branchgym processes running at the same time are not counted.
+    """
     deadline = time.monotonic() + 15
     while True:
         wait_for_cleanup()
@@ -73,11 +106,7 @@ def _leftovers(before_dirs, backend):
             for sub in ("l", "s"):
                 if (d / sub).exists() and any((d / sub).iterdir()):
                     busy.append(str(d / sub))
-        containers = []
-        if backend == "docker":
-            from branchgym.envs.swebench.docker_backend import owned_resources
-
-            containers = owned_resources()["containers"]
+        containers = _our_containers(set(before_containers)) if backend == "docker" else []
         left = {"mounts": mounts, "folders": busy, "containers": containers}
         if not any(left.values()) or time.monotonic() > deadline:
             return left
@@ -95,10 +124,15 @@ EXECUTORS = {
 @pytest.mark.parametrize("backend", ["overlay", pytest.param("docker", marks=pytest.mark.docker)])
 @pytest.mark.parametrize("executor", list(EXECUTORS))
 def test_hostile_siblings_and_dying_sandboxes_leave_a_complete_tree_and_nothing_behind(
-    backend, executor, tasks, request
+    backend, executor, tasks, request, tmp_path, monkeypatch
 ):
+    # its own sandbox root (inherited by the process executor's workers): another branchgym
+    # process's sandboxes, mounted there at the same time, are not this test's leftovers
+    monkeypatch.setenv("BRANCHGYM_SANDBOX_DIR", str(tmp_path / "sandboxes"))
+    before_containers: list[str] = []
     if backend == "docker":
         request.getfixturevalue("docker_available")
+        before_containers = _our_containers(None)
     before_dirs, base_live = _sandbox_dirs(), branchgym.live_snapshots().count
     t0 = time.perf_counter()
     with EXECUTORS[executor]() as ex:
@@ -130,5 +164,6 @@ def test_hostile_siblings_and_dying_sandboxes_leave_a_complete_tree_and_nothing_
                     assert node.info.get("timed_out") or "timed out" in str(node.observation)
     took = time.perf_counter() - t0
     assert branchgym.live_snapshots().count == base_live
-    assert _leftovers(before_dirs, backend) == {"mounts": [], "folders": [], "containers": []}
+    left = _leftovers(before_dirs, backend, before_containers)
+    assert left == {"mounts": [], "folders": [], "containers": []}
     assert took < 300, f"{took:.0f} s"
