@@ -46,9 +46,11 @@ Images (``image=``): by default (``auto``) SWE-bench's own per-instance image wh
 on the daemon (the task row's ``image``, else the names the ``swebench`` package gives it:
 ``swebench/sweb.eval.x86_64.<id, __ as _1776_>:latest`` as published, then
 ``sweb.eval.x86_64.<id>:latest`` as its build functions tag it locally; nothing is
-pulled), else the base image (``branchgym/swebench-base:bookworm``, built offline by
-``scripts/swebench_docker_image.sh``: Debian minbase with python3, git, pytest) plus the
-task's checkout at ``/testbed``, built once and kept. ``swebench`` requires SWE-bench's
+pulled), else the base image (``branchgym/swebench-base:bookworm-<hash>``, built offline
+by ``scripts/swebench_docker_image.sh``: Debian minbase with python3, pytest, pip, tkinter,
+git), the repository's environment image over it (its ``pip install -e .``, once per
+repository and version: :mod:`~branchgym.envs.swebench.docker_env`) and the task's
+checkout at ``/testbed``, built once and kept. ``swebench`` requires SWE-bench's
 image, ``branchgym`` always builds from the checkout, anything else is an image name or
 an ``{instance_id}`` template. A SWE-bench image already holds the repository: no clone is
 needed. Its commands run as its user (root) in its own environment: the image's ``ENV``
@@ -62,18 +64,17 @@ from __future__ import annotations
 
 import concurrent.futures
 import dataclasses
-import io
 import json
 import os
 import re
 import shlex
-import tarfile
 import tempfile
 import threading
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from branchgym.envs.swebench.docker_env import env_image, testbed_archive
 from branchgym.envs.swebench.docker_overlay import (
     DockerOverlaySandbox,
     DockerOverlaySnapshot,
@@ -473,11 +474,14 @@ class DockerBackend:
                 f"the base image {BASE_IMAGE!r} is missing: build it offline with "
                 "scripts/swebench_docker_image.sh (make test does), or pass docker_image=."
             ) from exc
+        # Over the repository's environment image (docker_env: built once per repository
+        # and version) where the checkout is installable, else over the base image.
+        parent = env_image(self.client, base, task, checkout, BASE_IMAGE) or base.id
         # "-u1000": /testbed and /home/agent belong to the sandbox user (older task images
         # of the same checkout, owned by root, are not reused).
         tag = (
             f"{_tag_part(task.instance_id)}-{task.base_commit[:12]}-"
-            f"{base.id.split(':')[-1][:12]}-u{SANDBOX_UID}"
+            f"{parent.split(':')[-1][:12]}-u{SANDBOX_UID}"
         )
         name = f"branchgym/swebench-task:{tag}"
         with _BUILD_LOCK:
@@ -485,21 +489,9 @@ class DockerBackend:
                 return self.client.images.get(name).id
             except docker.errors.ImageNotFound:
                 pass
-            c = self.client.containers.create(base.id, ["true"], labels=owner_labels())
+            c = self.client.containers.create(parent, ["true"], labels=owner_labels())
             try:
-
-                def owned(info: tarfile.TarInfo) -> tarfile.TarInfo:
-                    info.uid = info.gid = SANDBOX_UID
-                    info.uname = info.gname = ""
-                    return info
-
-                buf = io.BytesIO()
-                with tarfile.open(fileobj=buf, mode="w") as tar:
-                    tar.add(str(checkout), arcname=WORKDIR.lstrip("/"), filter=owned)
-                    home = tarfile.TarInfo(AGENT_HOME.lstrip("/"))
-                    home.type, home.mode = tarfile.DIRTYPE, 0o755
-                    tar.addfile(owned(home))
-                c.put_archive("/", buf.getvalue())
+                c.put_archive("/", testbed_archive(checkout, SANDBOX_UID, folders=(AGENT_HOME,)))
                 c.commit(
                     repository="branchgym/swebench-task",
                     tag=tag,

@@ -223,7 +223,9 @@ class SWEBenchEnv(SnapshottableEnv[str, str]):
             installed as the harness does (``pip install -e .``); ``"host"``: branchgym's
             interpreter; or a mapping of instance id or ``owner/name`` (``"*"`` for the
             rest) to the interpreter each repository's venv is made from (one that has
-            its dependencies). See :mod:`branchgym.envs.swebench.repo_env`.
+            its dependencies). See :mod:`branchgym.envs.swebench.repo_env`. The Docker
+            backends make the same install into an image per repository and version
+            (:mod:`branchgym.envs.swebench.docker_env`) for tasks without SWE-bench's image.
         harness_guard: Grade from trusted configuration only (default): a patch that
             changes how the tests run (pytest's configuration files, conftests, start-up
             hooks, compiled code, package metadata, shadowing modules, test folders,

@@ -41,7 +41,15 @@ from branchgym.envs.swebench.sandbox import WORKDIR
 from branchgym.envs.swebench.tasks import SWEBenchTask, cache_folder, cache_root
 from branchgym.error import CacheLocationError, RepoEnvironmentError, SandboxConfigError
 
-__all__ = ["RepoEnvironment", "repo_environment", "resolve_python_env", "installable"]
+__all__ = [
+    "RepoEnvironment",
+    "repo_environment",
+    "resolve_python_env",
+    "installable",
+    "DEPENDENCY_CHECK",
+    "EDITABLE_INSTALL",
+    "PIP_ENV",
+]
 
 #: Bump when the build procedure changes (the cache key includes it).
 FORMAT_VERSION = 2
@@ -49,10 +57,17 @@ FORMAT_VERSION = 2
 #: Files whose presence makes a checkout pip-installable.
 _PROJECT_FILES = ("pyproject.toml", "setup.py", "setup.cfg")
 
-# Run by the venv's interpreter: the installed distribution's declared requirements
-# (markers evaluated, extras skipped) that no installed distribution satisfies, and
-# whether pytest imports.
-_CHECK = r"""
+#: ``pip`` arguments that install a checkout (the folder follows) as SWE-bench's harness
+#: does, offline: editable, without its dependencies, with the build backend at hand. The
+#: Docker backends' environment images install with the same (docker_env.py).
+EDITABLE_INSTALL = ("install", "--no-deps", "--no-build-isolation", "--no-index", "-e")
+#: pip's environment for those installs: no index, no prompt, no version check.
+PIP_ENV = {"PIP_DISABLE_PIP_VERSION_CHECK": "1", "PIP_NO_INPUT": "1", "PIP_NO_INDEX": "1"}
+
+#: Run by the environment's interpreter with the distribution's name as its argument:
+#: prints (JSON) the declared requirements (markers evaluated, extras skipped) that no
+#: installed distribution satisfies, and pytest when it does not import.
+DEPENDENCY_CHECK = r"""
 import importlib.metadata as md, importlib.util, json, re, sys
 name = sys.argv[1]
 missing = []
@@ -272,7 +287,7 @@ def _stale(meta: Path) -> bool:
 
 def _run(argv: list[str], what: str, cwd: Path | None = None) -> str:
     env = {k: v for k, v in os.environ.items() if not k.startswith(("PIP_", "PYTHON"))}
-    env.update(PIP_DISABLE_PIP_VERSION_CHECK="1", PIP_NO_INPUT="1", PIP_NO_INDEX="1")
+    env.update(PIP_ENV)
     out = subprocess.run(argv, cwd=cwd, env=env, capture_output=True, text=True, check=False)
     if out.returncode != 0:
         raise RepoEnvironmentError(
@@ -313,8 +328,7 @@ def _build(task: SWEBenchTask, checkout: Path, base_python: str, target: Path) -
     shutil.copytree(checkout, src, symlinks=True, ignore=shutil.ignore_patterns(".git"))
     before = set(_site_files(venv))
     _run(
-        [python, "-m", "pip", "install", "--no-deps", "--no-build-isolation", "--no-index",
-         "-e", str(src)],
+        [python, "-m", "pip", *EDITABLE_INSTALL, str(src)],
         f"pip install -e . of {task.repo} (the build backend must be installed in "
         f"{base_python}: setuptools, flit_core or hatchling, as the project's pyproject.toml "
         "names)",
@@ -341,7 +355,8 @@ def _build(task: SWEBenchTask, checkout: Path, base_python: str, target: Path) -
     shutil.rmtree(src)
     if not dist:
         raise RepoEnvironmentError(f"pip installed {task.repo} but wrote no direct_url.json")
-    missing = json.loads(_run([python, "-c", _CHECK, dist], f"checking {task.repo}'s dependencies"))
+    check = [python, "-c", DEPENDENCY_CHECK, dist]
+    missing = json.loads(_run(check, f"checking {task.repo}'s dependencies"))
     if missing:
         raise RepoEnvironmentError(
             f"{task.repo} {task.version} needs {', '.join(missing)}, which the interpreter "

@@ -1,12 +1,18 @@
 """Session fixtures of the SWE-bench tests: one task set, one checkout per task, shared backends."""
 
+import hashlib
 import os
 
 import pytest
 
-from branchgym.envs.swebench.generated import generated_repos, generated_tasks
+from branchgym.envs.swebench.generated import (
+    generated_repos,
+    generated_tasks,
+    realistic_repos,
+    realistic_tasks,
+)
 from branchgym.envs.swebench.local import LocalBackend
-from branchgym.envs.swebench.tasks import ensure_checkout
+from branchgym.envs.swebench.tasks import SWEBenchTask, ensure_checkout
 from branchgym.error import DependencyMissingError, SandboxUnavailableError
 
 
@@ -34,6 +40,47 @@ def host_victim(tmp_path):
 def checkout(tasks):
     repos = generated_repos()
     return lambda task: ensure_checkout(task, repos)
+
+
+@pytest.fixture(scope="session")
+def real_tasks():
+    """The realistic task set (real PyPI projects)."""
+    return realistic_tasks()
+
+
+@pytest.fixture(scope="session")
+def real_checkout():
+    """``task`` -> its pristine checkout (a realistic task)."""
+    repos = realistic_repos()
+    return lambda task: ensure_checkout(task, repos)
+
+
+@pytest.fixture
+def needy_project(tmp_path):
+    """``requires`` -> (task, folder) of an installable project that declares it.
+
+    Its version names ``requires`` (environments are keyed by repository and version: a
+    project whose dependency is missing never meets the built environment of another).
+    """
+
+    def make(requires):
+        tag = hashlib.sha256(requires.encode()).hexdigest()[:8]
+        proj = tmp_path / f"needy-{tag}"
+        (proj / "needy").mkdir(parents=True)
+        (proj / "needy" / "__init__.py").write_text("")
+        (proj / "setup.py").write_text(
+            "from setuptools import setup\n"
+            "setup(name='needy', version='1.0', packages=['needy'],\n"
+            f"      install_requires=[{requires!r}])\n"
+        )
+        task = SWEBenchTask(
+            instance_id="octo__needy-1", repo="octo/needy", base_commit="a" * 40,
+            problem_statement="", patch="", test_patch="", fail_to_pass=(), pass_to_pass=(),
+            version=f"1.0+{tag}",
+        )  # fmt: skip
+        return task, proj
+
+    return make
 
 
 @pytest.fixture(scope="session", params=["overlay", "git"])

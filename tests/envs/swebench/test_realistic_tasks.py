@@ -13,26 +13,13 @@ from branchgym.envs.swebench.env import SWEBenchEnv
 from branchgym.envs.swebench.generated import (
     REALISTIC_DIR,
     load_realistic_defs,
-    realistic_repos,
-    realistic_tasks,
     task_set,
 )
 from branchgym.envs.swebench.grading import grade
 from branchgym.envs.swebench.local import LocalBackend
 from branchgym.envs.swebench.repo_env import repo_environment
-from branchgym.envs.swebench.tasks import SWEBenchTask, ensure_checkout
+from branchgym.envs.swebench.tasks import SWEBenchTask
 from branchgym.error import DataError, RepoEnvironmentError
-
-
-@pytest.fixture(scope="module")
-def real_tasks():
-    return realistic_tasks()
-
-
-@pytest.fixture(scope="module")
-def real_checkout():
-    repos = realistic_repos()
-    return lambda task: ensure_checkout(task, repos)
 
 
 def test_at_least_twenty_tasks_from_several_licensed_projects():
@@ -213,26 +200,8 @@ def test_host_python_env_keeps_branchgyms_interpreter(real_tasks, real_checkout)
 
 
 @pytest.mark.slow
-def test_missing_dependency_is_a_typed_error_naming_the_fix(tmp_path):
-    proj = tmp_path / "proj"
-    (proj / "needy").mkdir(parents=True)
-    (proj / "needy" / "__init__.py").write_text("")
-    (proj / "setup.py").write_text(
-        "from setuptools import setup\n"
-        "setup(name='needy', version='1.0', packages=['needy'],\n"
-        "      install_requires=['branchgym-no-such-distribution>=1'])\n"
-    )
-    task = SWEBenchTask(
-        instance_id="octo__needy-1",
-        repo="octo/needy",
-        base_commit="a" * 40,
-        problem_statement="",
-        patch="",
-        test_patch="",
-        fail_to_pass=(),
-        pass_to_pass=(),
-        version="1.0",
-    )
+def test_missing_dependency_is_a_typed_error_naming_the_fix(needy_project, tmp_path):
+    task, proj = needy_project("branchgym-no-such-distribution>=1")
     with pytest.raises(RepoEnvironmentError, match="branchgym-no-such-distribution.*python_env"):
         repo_environment(task, proj, root=tmp_path / "envs")
 
