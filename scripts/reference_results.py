@@ -62,7 +62,7 @@ SFT = {
 #: shapes differ; the env-step budget (``--budget``) matches them.
 LEARNERS: dict[str, dict[str, Any]] = {
     "grpo": {"algo": "grpo", "set": {"n": 8}},
-    "rloo": {"algo": "grpo", "set": {"n": 8, "advantage": "rloo"}},
+    "rloo": {"algo": "rloo", "set": {"n": 8}},
     # the project's recommended unbiased Branching PO (docs/estimators.md): fixed branch
     # depth (the results page, where the product is chosen), value_diff credit, per-depth
     # weights; 2 backbones x 4 siblings = 8 lines per prompt

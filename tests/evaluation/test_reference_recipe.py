@@ -58,3 +58,21 @@ def test_the_recipe_runs_every_stage_ships_small_files_and_resumes(tmp_path):
     ran = [x for x in recipe(tmp_path, "--dry-run").stdout.splitlines() if x.startswith("$ ")]
     resumed = [x for x in ran if "bpo_rec-s0" in x and " train " in x]
     assert len(resumed) == 1 and f"--resume {ckpts[0]}" in resumed[0], ran
+
+
+def test_every_learner_of_the_recipe_accepts_its_options():
+    """Each learner's options build its Args (the RLOO entry once asked GRPO for rloo)."""
+    import importlib.util
+
+    from branchgym.agents.train import make_args
+
+    path = SCRIPTS / "reference_results.py"
+    spec = importlib.util.spec_from_file_location("reference_results", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    assert set(mod.LEARNERS) == {"grpo", "rloo", "bpo_rec", "bellman_po"}
+    for name, conf in mod.LEARNERS.items():
+        options = {k: str(v) for k, v in {**mod.COMMON["set"], **conf["set"]}.items()}
+        args = make_args(conf["algo"], **options)
+        assert args.micro_batch_tokens == 2048, name
+    assert make_args("rloo", n="8").advantage == "rloo"
