@@ -18,7 +18,7 @@ from typing import Any
 from branchgym.error import OptionError
 from branchgym.evaluation.attribution import Attribution, attribute_episode, check_forks
 
-__all__ = ["agent_from_run", "attribute_run"]
+__all__ = ["agent_from_run", "attribute_run", "fork_executor"]
 
 
 def agent_from_run(run_doc: dict[str, Any]) -> Any:
@@ -46,6 +46,26 @@ def agent_from_run(run_doc: dict[str, Any]) -> Any:
         return make_agent(config["base_url"], env_id, model=config["model"],
                           sampling=config.get("sampling"))  # fmt: skip
     return make_agent(spec, env_id)
+
+
+def fork_executor(name: str | None, options: dict[str, Any] | None, *agents: Any) -> Any:
+    """The executor the forks' envs run in (None: in this process beside the agents).
+
+    Raises:
+        OptionError: An agent reads its live env (a scripted expert): its forks cannot run
+            in an executor's sessions.
+    """
+    if name is None:
+        return None
+    from branchgym.rollout.executors import make_executor
+
+    expert = next((a for a in agents if a.policy is None), None)
+    if expert is not None:
+        raise OptionError(
+            f"the {expert.spec!r} agent reads its live env, so its forks run in-process; "
+            "drop --executor"
+        )
+    return make_executor(name, **(options or {}))
 
 
 def attribute_run(
@@ -100,8 +120,9 @@ def attribute_run(
     proto = run_doc["protocol"]
     tasks = {tid: Task(tid, seed_, opts) for tid, seed_, opts in proto["task_specs"]}
     agent = agent if agent is not None else agent_from_run(run_doc)
+    recipe = EnvRecipe(proto["env_id"], dict(proto["env_kwargs"]))
     if make_env is None:
-        make_env = EnvRecipe(proto["env_id"], dict(proto["env_kwargs"])).make
+        make_env = recipe.make
     check_forks(make_env, seed=seed)
     chosen = [
         r
@@ -113,17 +134,7 @@ def attribute_run(
     if max_episodes is not None:
         chosen = chosen[:max_episodes]
     results = []
-    pool = None
-    if executor is not None:
-        from branchgym.rollout.executors import make_executor
-
-        if agent.policy is None:
-            raise OptionError(
-                f"the {agent.spec!r} agent reads its live env, so its forks run in-process; "
-                "drop --executor"
-            )
-        pool = make_executor(executor, **(executor_options or {}))
-    recipe = EnvRecipe(proto["env_id"], dict(proto["env_kwargs"]))
+    pool = fork_executor(executor, executor_options, agent)
     bar = tqdm(chosen, desc="attribute", unit="episode", disable=not progress)
     try:
         for rec in bar:

@@ -18,7 +18,7 @@ import numpy as np
 
 from branchgym.error import OptionError
 from branchgym.evaluation.attribution import Episode, check_forks, forks_from
-from branchgym.evaluation.attribution_run import agent_from_run
+from branchgym.evaluation.attribution_run import agent_from_run, fork_executor
 
 __all__ = ["compare_from_states"]
 
@@ -74,21 +74,11 @@ def compare_from_states(
         raise OptionError(f"depths are fractions of an episode in [0, 1); got {depths}")
     proto = docs[0]["protocol"]
     agent_a, agent_b = agents if agents is not None else tuple(agent_from_run(d) for d in docs)
-    if make_env is None:
-        make_env = EnvRecipe(proto["env_id"], dict(proto["env_kwargs"])).make
-    check_forks(make_env, seed=seed)
-    pool = None
-    if executor is not None:
-        from branchgym.rollout.executors import make_executor
-
-        expert = next((a for a in (agent_a, agent_b) if a.policy is None), None)
-        if expert is not None:
-            raise OptionError(
-                f"the {expert.spec!r} agent reads its live env, so its forks run in-process; "
-                "drop --executor"
-            )
-        pool = make_executor(executor, **(executor_options or {}))
     recipe = EnvRecipe(proto["env_id"], dict(proto["env_kwargs"]))
+    if make_env is None:
+        make_env = recipe.make
+    check_forks(make_env, seed=seed)
+    pool = fork_executor(executor, executor_options, agent_a, agent_b)
     tasks = {tid: Task(tid, s, o) for tid, s, o in proto["task_specs"]}
     recs = [r for r in read_episodes(Path(run_a) / "episodes.jsonl").values()
             if r.get("tree") and r["outcome"] not in ("infra_error", "agent_error")]  # fmt: skip
