@@ -107,6 +107,7 @@ __all__ = [
     "BASE_PACKAGES_HASH",
     "docker_client",
     "owned_resources",
+    "owner_dead",
     "prune_stale",
     "swebench_image_names",
     "wait_idle",
@@ -196,28 +197,30 @@ def owned_resources(client: Any | None = None, *, pid: int | None = None) -> dic
     return {"containers": [c["Id"] for c in containers], "images": [i["Id"] for i in images]}
 
 
+def owner_dead(labels: Mapping[str, str]) -> bool:
+    """Whether the branchgym process these owner labels name, on this host, has exited."""
+    pid = labels.get("branchgym.pid", "")
+    if labels.get("branchgym.host") != HOST or not pid.isdigit():
+        return False
+    try:
+        os.kill(int(pid), 0)
+    except ProcessLookupError:
+        return True
+    except PermissionError:
+        return False
+    return False
+
+
 def prune_stale(client: Any | None = None) -> int:
     """Remove containers and snapshot images left by dead branchgym processes on this host."""
     client = client or docker_client()
     removed = 0
 
-    def dead(labels: Mapping[str, str]) -> bool:
-        pid = labels.get("branchgym.pid", "")
-        if labels.get("branchgym.host") != HOST or not pid.isdigit():
-            return False
-        try:
-            os.kill(int(pid), 0)
-        except ProcessLookupError:
-            return True
-        except PermissionError:
-            return False
-        return False
-
     # Listed without an inspect per item, and a removal that finds nothing is fine: this
     # process's own background removals may be deleting containers at the same moment.
     gone = docker_sdk().errors.NotFound
     for c in client.api.containers(all=True, filters={"label": OWNER_LABEL}):
-        if dead(c.get("Labels") or {}):
+        if owner_dead(c.get("Labels") or {}):
             try:
                 client.api.remove_container(c["Id"], force=True)
                 removed += 1
@@ -225,7 +228,7 @@ def prune_stale(client: Any | None = None) -> int:
                 pass
     images = client.api.images(filters={"label": SNAPSHOT_LABEL})
     for img in sorted(images, key=lambda i: i.get("Created", 0), reverse=True):
-        if dead(img.get("Labels") or {}):
+        if owner_dead(img.get("Labels") or {}):
             try:
                 client.api.remove_image(img["Id"], force=True)
                 removed += 1

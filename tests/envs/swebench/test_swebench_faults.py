@@ -68,24 +68,14 @@ def _our_containers(before):
     """
     import os
 
-    from branchgym.envs.swebench.docker_backend import docker_client
+    from branchgym.envs.swebench.docker_backend import docker_client, owner_dead
     from branchgym.envs.swebench.docker_sandbox import OWNER_LABEL
 
     def ours(labels):
         pid = labels.get("branchgym.pid", "")
-        if not pid.isdigit() or int(pid) == os.getpid():
-            return True
-        try:
-            os.kill(int(pid), 0)
-        except ProcessLookupError:
-            return True  # a worker of this test that exited and left it
-        except PermissionError:
-            return False
-        return False
+        return not pid.isdigit() or int(pid) == os.getpid() or owner_dead(labels)
 
     listed = docker_client().api.containers(all=True, filters={"label": [OWNER_LABEL]})
-    if before is None:  # at the start: every owned container there is, whoever owns it
-        return [c["Id"] for c in listed]
     return [c["Id"] for c in listed if c["Id"] not in before and ours(c.get("Labels") or {})]
 
 
@@ -132,7 +122,9 @@ def test_hostile_siblings_and_dying_sandboxes_leave_a_complete_tree_and_nothing_
     before_containers: list[str] = []
     if backend == "docker":
         request.getfixturevalue("docker_available")
-        before_containers = _our_containers(None)
+        from branchgym.envs.swebench.docker_backend import owned_resources
+
+        before_containers = owned_resources()["containers"]  # whoever owns them
     before_dirs, base_live = _sandbox_dirs(), branchgym.live_snapshots().count
     t0 = time.perf_counter()
     with EXECUTORS[executor]() as ex:
