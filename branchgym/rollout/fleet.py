@@ -97,6 +97,7 @@ class FleetExecutor(Executor):
         self._snap_ids = itertools.count()
         self._lock = threading.Lock()
         self._actors: list[Any] = []
+        self._owns_ray = False  # set by on_ray when it started the Ray runtime
         for w, url in enumerate(self.urls):
             try:
                 self._conns[w], self._info[w] = self._dial(w, connect_timeout)
@@ -392,6 +393,10 @@ class FleetExecutor(Executor):
             except Exception:  # already gone
                 pass
         super().shutdown()
+        if self._owns_ray:
+            import ray
+
+            ray.shutdown()
 
     # -- Ray ---------------------------------------------------------------------------
     @classmethod
@@ -419,7 +424,8 @@ class FleetExecutor(Executor):
             raise DependencyMissingError.for_extra("FleetExecutor.on_ray", "ray", "ray") from exc
         if n_servers < 1:
             raise ExecutorError(f"n_servers must be >= 1, got {n_servers}")
-        if not ray.is_initialized():
+        owns_ray = not ray.is_initialized()  # then shutdown() stops it too
+        if owns_ray:
             ray.init(num_cpus=max(1, os.cpu_count() or 1), include_dashboard=False)
         import secrets
 
@@ -429,6 +435,7 @@ class FleetExecutor(Executor):
         urls = ray.get([a.url.remote() for a in actors])
         fleet = cls(urls, token=token, **kwargs)
         fleet._actors = actors
+        fleet._owns_ray = owns_ray
         return fleet
 
 

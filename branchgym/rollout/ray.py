@@ -26,7 +26,8 @@ class RayExecutor(WorkerExecutor):
     """Instances in ``n_workers`` Ray actors (``pip install 'branchgym[ray]'``).
 
     Call ``ray.init(...)`` first to pick the cluster (``ray.init(num_cpus=2)`` locally);
-    without it Ray starts a local one. A dead actor or a call past ``timeout`` is
+    without it the executor starts a local one and stops it again at :meth:`shutdown`
+    (a runtime the caller started stays up). A dead actor or a call past ``timeout`` is
     reported on that session, and the actor is replaced.
 
     Args:
@@ -54,7 +55,10 @@ class RayExecutor(WorkerExecutor):
             raise DependencyMissingError.for_extra("RayExecutor", "ray", "ray") from exc
         super().__init__(n_workers, max_instances, timeout, sessions_per_worker)
         self._ray = ray
-        if not ray.is_initialized():
+        # a Ray runtime this executor starts is this executor's to stop (at shutdown);
+        # one the caller started stays up for the caller
+        self._owns_ray = not ray.is_initialized()
+        if self._owns_ray:
             ray.init(num_cpus=max(1, os.cpu_count() or 1), include_dashboard=False)
         self._actor_cls = ray.remote(_RayWorker)
         self._actor_options = {"num_cpus": 0, **(actor_options or {})}
@@ -109,6 +113,8 @@ class RayExecutor(WorkerExecutor):
                 except Exception:  # pragma: no cover
                     pass
             super().shutdown()
+            if self._owns_ray:
+                self._ray.shutdown()
 
 
 class _RayWorker:

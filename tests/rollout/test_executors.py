@@ -231,3 +231,24 @@ def test_ray_executor_with_a_crashing_actor():
             assert ex.live_snapshots().count == 0
     finally:
         ray.shutdown()
+
+
+@pytest.mark.slow
+def test_ray_executor_stops_the_ray_runtime_it_started_and_only_that():
+    """A runtime left up by one executor made the next test's ``ray.init`` fail in CI."""
+    ray = pytest.importorskip("ray")
+    from branchgym.rollout.ray import RayExecutor
+
+    ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
+    assert not ray.is_initialized()
+    with RayExecutor(n_workers=1) as ex:  # starts a local runtime of its own
+        assert ray.is_initialized()
+        assert nodes(grow(TEXT, ex)) == nodes(grow(TEXT, None))
+    assert not ray.is_initialized()
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    try:
+        with RayExecutor(n_workers=1) as ex:
+            assert nodes(grow(TEXT, ex)) == nodes(grow(TEXT, None))
+        assert ray.is_initialized()  # the caller's runtime is the caller's to stop
+    finally:
+        ray.shutdown()
