@@ -50,6 +50,8 @@ try:
 except ImportError as exc:  # pragma: no cover - the llm extra is missing
     raise DependencyMissingError.for_extra("HFEngine", "llm", "torch") from exc
 
+from branchgym.agents.engines.attention import masked_gqa
+
 __all__ = ["Generation", "HFEngine", "TOPK_ENTROPY"]
 
 #: k of BranchOPD's top-k entropy estimate.
@@ -211,6 +213,21 @@ def _room_layer_class() -> type:
             self._views()
 
     return RoomLayer
+
+
+def _masked_gqa(method: Callable[..., Any]) -> Callable[..., Any]:
+    """Run an engine method with :func:`~branchgym.agents.engines.attention.masked_gqa`.
+
+    Left-padded batches carry an attention mask, and transformers' ``sdpa`` copies every
+    key/value head per query head under a mask; this reads them in place (CPU).
+    """
+
+    @functools.wraps(method)
+    def run(self: HFEngine, *args: Any, **kwargs: Any) -> Any:
+        with masked_gqa(self.model):
+            return method(self, *args, **kwargs)
+
+    return run
 
 
 #: A batched decode drops its stopped rows once they are more than this share of the
@@ -384,6 +401,7 @@ class HFEngine:
 
     # ------------------------------------------------------------------ sampling
     @torch.inference_mode()
+    @_masked_gqa
     def generate(
         self,
         prompts: Sequence[Sequence[int]],
@@ -789,6 +807,7 @@ class HFEngine:
 
     # ------------------------------------------------------------------ scoring
     @torch.inference_mode()
+    @_masked_gqa
     def score(
         self, prompt: Sequence[int], completions: Sequence[Sequence[int]]
     ) -> list[tuple[np.ndarray, np.ndarray]]:

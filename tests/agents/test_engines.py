@@ -112,6 +112,58 @@ def test_score_batches_candidates_of_any_length_exactly(engine, tiny, monkeypatc
         assert len(lp) == len(c)
 
 
+def test_padded_batches_read_grouped_kv_heads_in_place(tiny, monkeypatch):
+    """A left-padded batch carries a mask; transformers' sdpa then copied every KV head."""
+    import contextlib
+
+    from transformers.integrations import sdpa_attention
+
+    from branchgym.agents.engines import hf
+
+    model, tok = tiny
+    assert model.config.num_key_value_heads < model.config.num_attention_heads
+    copies = []
+    real = sdpa_attention.repeat_kv
+    monkeypatch.setattr(sdpa_attention, "repeat_kv", lambda x, n: copies.append(n) or real(x, n))
+
+    def run():
+        engine = HFEngine(model, tok, max_new_tokens=10, prefix_cache_entries=8)
+        prompts = [prompt(engine, "Exits: north." * k) for k in (1, 3, 6)]  # three lengths
+        gens = engine.generate(prompts, [2, 1, 2], seeds=[3, 4, 5])
+        scored = engine.score(prompts[2], [g.token_ids for g in gens[2]])
+        return gens, scored
+
+    gens, scored = run()
+    assert copies == [] and model.config._attn_implementation == "sdpa"
+    monkeypatch.setattr(hf, "masked_gqa", lambda model: contextlib.nullcontext())
+    before, before_scored = run()  # transformers' own sdpa path: copies, same numbers
+    assert copies
+    for mine, theirs in zip(gens, before, strict=True):
+        for a, b in zip(mine, theirs, strict=True):
+            assert a.token_ids.tolist() == b.token_ids.tolist()
+            np.testing.assert_allclose(a.logprobs, b.logprobs, atol=1e-5)
+            np.testing.assert_allclose(a.entropies, b.entropies, atol=1e-5)
+    for (lp, ent), (lp0, ent0) in zip(scored, before_scored, strict=True):
+        np.testing.assert_allclose(lp, lp0, atol=1e-5)
+        np.testing.assert_allclose(ent, ent0, atol=1e-5)
+
+
+def test_masked_gqa_leaves_other_attention_and_restores_after_errors(tiny):
+    from branchgym.agents.engines.attention import GQA_SDPA, masked_gqa
+
+    model, _ = tiny
+    with pytest.raises(RuntimeError), masked_gqa(model):
+        assert model.config._attn_implementation == GQA_SDPA
+        raise RuntimeError("boom")
+    assert model.config._attn_implementation == "sdpa"
+    model.config._attn_implementation = "eager"
+    try:
+        with masked_gqa(model):
+            assert model.config._attn_implementation == "eager"
+    finally:
+        model.config._attn_implementation = "sdpa"
+
+
 def test_room_cache_holds_what_a_dynamic_cache_holds():
     from transformers.cache_utils import DynamicLayer
 
