@@ -65,8 +65,6 @@ def test_logprobs_and_entropies_match_a_direct_forward_pass(engine, tiny):
     np.testing.assert_allclose(ent, gens[0].entropies, atol=1e-4)
 
 
-
-
 def test_score_batches_candidates_of_any_length_exactly(engine, tiny, monkeypatch):
     """One batched pass over right-padded candidates gives each one's direct forward pass."""
     import branchgym.agents.engines.hf as hf
