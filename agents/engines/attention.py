@@ -15,6 +15,10 @@ transformers' ``sdpa`` (its mask builder, its function for every call without a 
 except that a masked grouped-query call reads the key/value heads in place. CPU only:
 on CUDA, SDPA's fused kernels refuse a mask with ``enable_gqa`` and fall back to the math
 kernel, where the copy is cheaper than that fallback.
+
+A decode step (one query per row, mask or not) skips SDPA altogether: on a CPU its
+kernel is slow for a single query, and two grouped matmuls read the cache once
+(:func:`_one_query`). Prefill and every other call stay with SDPA.
 """
 
 from __future__ import annotations
@@ -48,8 +52,11 @@ def gqa_sdpa_attention(
     """
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
+    plain = kwargs.get("position_bias") is None and not kwargs.get("softcap")
+    if plain and query.shape[2] == 1 and key.shape[1] and query.shape[1] % key.shape[1] == 0:
+        return _one_query(query, key, value, attention_mask, scaling), None
     grouped = key.shape[1] != query.shape[1]
-    if attention_mask is None or not grouped or kwargs.get("position_bias") is not None:
+    if attention_mask is None or not grouped or not plain:
         return sdpa_attention_forward(
             module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs
         )
@@ -64,6 +71,40 @@ def gqa_sdpa_attention(
         enable_gqa=True,
     )
     return out.transpose(1, 2).contiguous(), None
+
+
+def _one_query(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    mask: torch.Tensor | None,
+    scaling: float | None,
+) -> torch.Tensor:
+    """Attention of one new token per row (a decode step) as two grouped matmuls.
+
+    Each key/value head's query heads are stacked as rows, ``(B, kv, group, d)``, so the
+    cache is read once per key/value head; the softmax is taken in float32. SDPA's CPU
+    kernel spends most of a decode step on this shape (16 rows of 1,300 cached tokens, views
+    of a larger buffer as the engine's caches are: about 4 ms against 2.9 ms in float32,
+    11.7 ms against 3.3 ms in bfloat16).
+    """
+    b, heads, _, d = query.shape
+    kv, length = key.shape[1], key.shape[-2]
+    q = query.reshape(b * kv, heads // kv, d)
+    # (B, kv) folds into one batch dimension without a copy for a cache view (its rows are
+    # whole buffers); torch.matmul on the 4-d view copied the whole cache at every step
+    keys, values = key.flatten(0, 1), value.flatten(0, 1)
+    scale = d**-0.5 if scaling is None else scaling
+    scores = torch.bmm(q, keys.transpose(1, 2)).float().view(b, kv, -1, length) * scale
+    if mask is not None:
+        mask = mask[:, :, :, :length]
+        if mask.dtype == torch.bool:
+            scores = scores.masked_fill(~mask, float("-inf"))
+        else:
+            scores = scores + mask.float()
+    probs = torch.softmax(scores, dim=-1).to(value.dtype).view(b * kv, -1, length)
+    out = torch.bmm(probs, values)  # (B * kv, group, d)
+    return out.reshape(b, 1, heads, d)
 
 
 def _register() -> bool:

@@ -43,6 +43,10 @@ def configure(parser: argparse.ArgumentParser) -> None:
         "--max-steps", type=positive_int, default=None, help="step cap (the protocol's)"
     )
     parser.add_argument("--threads", type=positive_int, default=None, help="torch threads")
+    parser.add_argument(
+        "--dtype", choices=("float32", "bfloat16"), default="float32",
+        help="the model's weight type (float32)",
+    )  # fmt: skip
     parser.add_argument("--out", default="results", help="report folder")
 
 
@@ -78,7 +82,8 @@ def main(args: argparse.Namespace) -> int:
 
     protocol = get_protocol(args.protocol).resolve(tasks=args.tasks, max_steps=args.max_steps)
     agent = make_agent(args.model, protocol.env_id, max_new_tokens=args.max_new_tokens,
-                       threads=args.threads, policy="generate")  # batched decoding  # fmt: skip
+                       threads=args.threads, policy="generate",  # batched decoding
+                       dtype=args.dtype)  # fmt: skip
     warm = get_protocol(args.protocol).resolve(tasks=1, max_steps=args.max_steps)
     _plain_loop(warm, agent, seed=99)  # loads kernels and caches for both runs
     plain = _plain_loop(protocol, agent, seed=0)
@@ -101,9 +106,9 @@ def main(args: argparse.Namespace) -> int:
     speedup = plain["seconds"] / batched["seconds"]
     report = Report(args.out, "eval", "branchgym bench eval")
     report.add(
-        f"Agent {args.model} (HFEngine, {args.max_new_tokens} tokens per action, temperature "
-        f"1) on {protocol.name} ({n} tasks, step cap {protocol.max_steps}); the same tasks "
-        "and seeds both ways, after one warm-up episode."
+        f"Agent {args.model} (HFEngine, {args.dtype}, {args.max_new_tokens} tokens per action, "
+        f"temperature 1) on {protocol.name} ({n} tasks, step cap {protocol.max_steps}); the "
+        "same tasks and seeds both ways, after one warm-up episode."
     )
     print(report.table(["run", "episodes", "seconds", "episodes/hour", "env steps",
                         "generated tokens", "tokens/s"], rows))  # fmt: skip
