@@ -102,6 +102,11 @@ class TrainArgs:
     """Where metrics.jsonl, checkpoints and curves.png go (default: runs/<algo>-<env>-<seed>)."""
     checkpoint_every: int = 0
     """Save a checkpoint every this many steps (0: only at the end)."""
+    keep_checkpoints: int = 0
+    """Keep only the newest this many ``checkpoint-NNNNNN`` folders, deleting older ones once
+    a newer one is whole on disk (0: keep every one). A SmolLM2 checkpoint with optimizer,
+    float32 masters and reference model is about 2.4 GB: a run that checkpoints every step
+    fills a disk otherwise. Crash checkpoints are never deleted."""
     save_trees_every: int = 0
     """Save the step's rollout trees with the advantages the update used every this many
     steps, to ``trees/step_NNNNNN.json.gz`` next to metrics.jsonl (0: never); read them

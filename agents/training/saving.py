@@ -101,7 +101,22 @@ class RunSaving:
         # final name, and never deletes the previous one before the new one is whole.
         write_atomically(tmp, out)
         self.last_checkpoint = out
+        self._prune_checkpoints()
         return out
+
+    def _prune_checkpoints(self) -> None:
+        """Delete regular checkpoints older than the newest ``keep_checkpoints`` (if set)."""
+        keep = self.args.keep_checkpoints
+        if keep <= 0:
+            return
+        import shutil
+
+        regular = sorted(
+            p for p in self.out_dir.glob("checkpoint-*")
+            if p.is_dir() and p.name[len("checkpoint-"):].isdigit()
+        )  # fmt: skip
+        for old in regular[:-keep]:
+            shutil.rmtree(old)
 
     def _save_sharded(self, out: Path) -> Path:
         """A data parallel checkpoint: DCP shards from every rank, the rest from rank 0."""
@@ -137,6 +152,7 @@ class RunSaving:
             }
             (tmp / "trainer_state.json").write_text(json.dumps(state, default=json_default))
             write_atomically(tmp, out)
+            self._prune_checkpoints()
         self.dp.barrier()
         self.last_checkpoint = out
         return out

@@ -493,6 +493,19 @@ def test_resume_reproduces_the_next_step_exactly(algo, extra, tmp_path):
         assert torch.equal(p, q), n
 
 
+def test_keep_checkpoints_deletes_older_regular_checkpoints_only(tmp_path):
+    out = tmp_path / "run"
+    crash = out / "checkpoint-000001-crash"  # crash checkpoints are never pruned
+    crash.mkdir(parents=True)
+    opts = {**TINY, "steps": 3, "checkpoint_every": 1}
+    result = train("grpo", out_dir=str(out), keep_checkpoints=2, **opts)
+    names = sorted(p.name for p in out.glob("checkpoint-*"))
+    assert names == ["checkpoint-000001-crash", "checkpoint-000002", "checkpoint-000003"]
+    assert result.checkpoint == out / "checkpoint-000003"
+    every = train("grpo", out_dir=str(tmp_path / "all"), **opts)  # 0: keep every one
+    assert len(list(every.checkpoint.parent.glob("checkpoint-*"))) == 3
+
+
 def test_checkpoint_errors(tmp_path):
     with pytest.raises(CheckpointError, match="not a training checkpoint"):
         train("grpo", resume=str(tmp_path))
