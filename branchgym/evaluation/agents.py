@@ -162,14 +162,38 @@ def _latest_checkpoint(folder: Path) -> Path:
 
 
 def _folder_digest(folder: Path) -> str:
-    """Names, sizes and the config of a model folder: cheap, and changes with the weights."""
-    parts = []
+    """A digest of a model folder's contents: two folders with other weights differ.
+
+    A ``branchgym train`` checkpoint records a SHA-256 per file in its
+    ``trainer_state.json``: those are used as they are (free). Another folder's weight
+    files are read and hashed (about a second per GB). Names and sizes alone would not do:
+    a model retrained to the same path has the same sizes, and ``--resume`` would then mix
+    two models' episodes in one run.
+    """
+    import hashlib
+
+    state = folder / "trainer_state.json"
+    recorded = None
+    if state.is_file():
+        try:
+            recorded = json.loads(state.read_text()).get("files")
+        except ValueError:
+            recorded = None
+    parts: list[Any] = []
     for p in sorted(folder.iterdir()):
-        if p.is_file():
+        if not p.is_file():
+            continue
+        if recorded and p.name in recorded:
+            parts.append((p.name, recorded[p.name]))
+        elif p.suffix in (".safetensors", ".bin", ".pt", ".gguf") or p.name == "config.json":
+            h = hashlib.sha256()
+            with open(p, "rb") as fh:
+                for block in iter(lambda fh=fh: fh.read(1 << 24), b""):
+                    h.update(block)
+            parts.append((p.name, h.hexdigest()))
+        else:
             parts.append((p.name, p.stat().st_size))
-    cfg = folder / "config.json"
-    text = cfg.read_text() if cfg.exists() else ""
-    return stable_hash(parts, text, size=8)
+    return stable_hash(parts, size=8)
 
 
 def _trained_as(folder: Path) -> dict[str, Any]:

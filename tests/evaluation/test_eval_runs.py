@@ -367,6 +367,27 @@ def test_model_folders_and_train_checkpoints_generate_through_the_engine(tmp_pat
         make_agent(str(tmp_path / "tiny"), proto.env_id)
 
 
+def test_a_model_retrained_to_the_same_path_is_another_agent(tmp_path):
+    """Same file names and sizes, other weights: the digest (and --resume's check) differ."""
+    torch = pytest.importorskip("torch")
+    from branchgym.agents.policies.models import tiny_qwen2
+
+    env_id = get_protocol("texttree-ci").env_id
+    folder = tmp_path / "model"
+    model, tok = tiny_qwen2(seed=0)
+    model.save_pretrained(folder)
+    tok.save_pretrained(folder)
+    first = make_agent(str(folder), env_id, max_new_tokens=8)
+    with torch.no_grad():
+        next(model.parameters()).add_(1.0)
+    model.save_pretrained(folder)
+    sizes = {p.name: p.stat().st_size for p in folder.iterdir()}
+    second = make_agent(str(folder), env_id, max_new_tokens=8)
+    assert {p.name: p.stat().st_size for p in folder.iterdir()} == sizes
+    assert first.config["digest"] != second.config["digest"]
+    assert first.config_hash != second.config_hash
+
+
 @pytest.mark.slow
 def test_swebench_predictions_are_graded_with_the_defences_on(tmp_path):
     from branchgym.envs.swebench.generated import realistic_tasks
