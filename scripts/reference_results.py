@@ -91,6 +91,8 @@ COMMON = {
         "lr_schedule": "constant",
         "micro_batch_tokens": 2048,
         "checkpoint_every": 1,
+        # the newest two (about 2.4 GB each): every step's would fill the disk
+        "keep_checkpoints": 2,
         # bfloat16 weights and gradients, float32 master weights and AdamW state: the
         # forward is 1.7x faster in bfloat16 on an AVX512-BF16 CPU
         "precision": "bf16",
@@ -184,14 +186,90 @@ class Recipe:
             budget > 0 and int(state.get("env_steps", 0)) >= budget
         )
 
-    def eval_done(self, name: str) -> bool:
-        """Whether evaluation ``name`` finished every episode."""
-        summary = self.runs / "eval" / name / "summary.json"
-        return summary.exists() and json.loads(summary.read_text()).get("complete", False)
+    def eval_done(self, name: str, agent: str) -> bool:
+        """Whether evaluation ``name`` finished every episode, here or in the shipped results.
+
+        A shipped evaluation (``--out``, from an earlier sitting or machine) counts when it
+        scored the same agent: a fixed agent (expert, random, the base model), or a model
+        folder whose digest equals the shipped run's (a retrained SFT checkpoint counts
+        only if its weights came out the same). A matching shipped evaluation is copied
+        into ``--runs`` so the report and ``eval compare`` read it like a local one.
+        """
+        local = self.runs / "eval" / name
+        if _complete(local):
+            return True
+        shipped = self.out / "eval" / name
+        if not _complete(shipped):
+            return False
+        if agent not in ("expert", "random", self.a.model):  # a checkpoint of this recipe
+            if not Path(agent).exists():  # not trained (again) yet: nothing to compare
+                return False
+            from branchgym.evaluation.agents import make_agent
+
+            now = make_agent(agent, ENV_ID).config.get("digest")
+            then = json.loads((shipped / "run.json").read_text())["agent"]["config"].get("digest")
+            if now != then and not self.same_training(Path(agent)):
+                print(f"  {name}: the shipped evaluation scored another model ({then}, this "
+                      f"one is {now}): evaluating again", flush=True)  # fmt: skip
+                return False
+        if not self.a.dry_run:
+            if local.exists():  # an unfinished local run of the same agent: the shipped one wins
+                shutil.rmtree(local)
+            shutil.copytree(shipped, local)
+        return True
+
+    def same_training(self, agent: Path, rtol: float = 1e-4) -> bool:
+        """Whether the run behind ``agent`` retraced the shipped run of the same name.
+
+        A step's randomness derives from the seed and the step, so a rerun on another
+        machine takes the same batches and the same samples; only the order of
+        floating-point sums in the backward pass differs (the SmolLM2 warm start rerun on
+        a new machine: the same first loss to all 16 digits, gradient norms equal to 7).
+        A rerun whose every logged figure (losses, gradient norms, token and step counts)
+        equals the shipped ``metrics.jsonl`` within ``rtol`` is taken as the same model;
+        anything that changes what was trained (data, options, a code change that moves a
+        loss) shows as a larger difference. Evaluations shipped before model digests
+        hashed the weights recorded names and sizes only, so this is how they are matched.
+        """
+        import math
+
+        run = agent if (agent / "metrics.jsonl").exists() else agent.parent
+        shipped = self.out / "train" / run.name / "metrics.jsonl"
+        if not (run / "metrics.jsonl").exists() or not shipped.exists():
+            return False
+
+        def lines(path: Path) -> list[dict[str, Any]]:
+            out = []
+            for x in path.read_text().splitlines():
+                if x.strip():
+                    d = json.loads(x)
+                    out.append({k: v for k, v in d.items() if not k.startswith("time/")})
+            return out
+
+        def close(a: Any, b: Any) -> bool:
+            if isinstance(a, (int, float)) and isinstance(b, (int, float)):
+                return math.isclose(a, b, rel_tol=rtol, abs_tol=1e-12)
+            return a == b
+
+        mine, theirs = lines(run / "metrics.jsonl"), lines(shipped)
+        return (
+            bool(mine)
+            and len(mine) == len(theirs)
+            and all(
+                a.keys() == b.keys() and all(close(a[k], b[k]) for k in a)
+                for a, b in zip(mine, theirs, strict=True)
+            )
+        )
 
     def run_names(self) -> list[str]:
         """``<learner>-s<seed>`` of every learner run asked for."""
         return [f"{n}-s{s}" for n in self.a.learners for s in self.a.seeds]
+
+
+def _complete(folder: Path) -> bool:
+    """Whether the evaluation in ``folder`` finished every episode."""
+    summary = folder / "summary.json"
+    return summary.exists() and json.loads(summary.read_text()).get("complete", False)
 
 
 def run(cmd: list[str], log: Path, dry: bool) -> None:
@@ -234,9 +312,10 @@ def copy_results(recipe: Recipe) -> None:
         if folder.name != "eval" and (folder / "metrics.jsonl").exists():
             _copy(folder, out / "train" / folder.name, ("metrics.jsonl", "args.json", "curves.png"))
     timings = runs / "logs" / "timings.jsonl"
-    known = set()
-    if timings.exists():
-        known = {json.loads(x)["log"] for x in timings.read_text().splitlines() if x.strip()}
+    known = set()  # stages timed already, here or in the shipped timings of earlier sittings
+    for path in (timings, out / "timings.jsonl"):
+        if path.exists():
+            known |= {json.loads(x)["log"] for x in path.read_text().splitlines() if x.strip()}
     for folder in sorted((runs / "eval").glob("*")):
         summary = folder / "summary.json"
         if not summary.exists():
@@ -253,9 +332,12 @@ def copy_results(recipe: Recipe) -> None:
             fh.write(json.dumps({"log": f"eval-{folder.name}", "minutes": round(minutes, 2),
                                  "exit": 0, "threads": 1,
                                  "source": "run.json start to summary.json"}) + "\n")  # fmt: skip
-    if timings.exists():
+    if timings.exists():  # added to the shipped timings (earlier sittings' lines stay)
         out.mkdir(parents=True, exist_ok=True)
-        shutil.copy2(timings, out / "timings.jsonl")
+        shipped = out / "timings.jsonl"
+        lines = shipped.read_text().splitlines() if shipped.exists() else []
+        lines += [x for x in timings.read_text().splitlines() if x.strip() and x not in lines]
+        shipped.write_text("".join(x + "\n" for x in lines))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -301,18 +383,20 @@ def main(argv: list[str] | None = None) -> int:
                 learner, _, seed = name.rpartition("-s")
                 cmd = recipe.learner_command(learner, int(seed))
                 train_jobs.append((cmd, logs / f"{name}.log"))
+    with ThreadPoolExecutor(max_workers=max(1, a.jobs)) as pool:
+        list(pool.map(lambda j: run(j[0], j[1], dry), train_jobs))
+    # evaluations after training: a learner's checkpoint decides whether a shipped
+    # evaluation of it still holds
     eval_jobs: list[tuple[list[str], Path]] = []
     if "eval" in a.stages:
         evals = {"expert": "expert", "random": "random", "zero-shot": a.model,
                  "sft": str(recipe.sft_model())}  # fmt: skip
         evals.update({n: str(recipe.runs / n) for n in recipe.run_names()})
         for name, agent in evals.items():
-            if not recipe.eval_done(name):
+            if not recipe.eval_done(name, agent):
                 eval_jobs.append((recipe.eval_command(name, agent), logs / f"eval-{name}.log"))
-    # training runs first (evaluations of learners need their checkpoints): two pools
-    for batch in (train_jobs, eval_jobs):
-        with ThreadPoolExecutor(max_workers=max(1, a.jobs)) as pool:
-            list(pool.map(lambda j: run(j[0], j[1], dry), batch))
+    with ThreadPoolExecutor(max_workers=max(1, a.jobs)) as pool:
+        list(pool.map(lambda j: run(j[0], j[1], dry), eval_jobs))
     if "report" in a.stages and not dry:
         from reference_report import write_report
 

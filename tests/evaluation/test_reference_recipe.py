@@ -45,8 +45,23 @@ def test_the_recipe_runs_every_stage_ships_small_files_and_resumes(tmp_path):
     table = (out / "README.md").read_text()
     assert "| Branching PO (recommended, unbiased) | 0 |" in table and "McNemar" in table
     assert (out / "curves.png").stat().st_size > 10_000
-    # a second call finds every stage done; a lost eval is run again, nothing else
+    # another machine (no runs folder, the shipped results only): the warm start and the
+    # learners train again, deterministically, so every shipped evaluation still holds and
+    # none is run again; the timings of both sittings add up
+    shutil.rmtree(tmp_path / "runs")
+    proc = recipe(tmp_path, "--stages", "sft", "train", "eval", "report")
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    ran = [x for x in proc.stdout.splitlines() if x.startswith("$ ")]
+    assert len(ran) == 3 and not [x for x in ran if " eval " in x], ran
+    assert (tmp_path / "runs" / "eval" / "sft" / "summary.json").exists()
+    logs = [json.loads(x)["log"] for x in (out / "timings.jsonl").read_text().splitlines()]
+    assert logs.count("sft") == 2 and logs.count("eval-sft") == 1, logs
+    # a second call finds every stage done: a lost local eval is found in the shipped
+    # results; lost from both, it is run again, and nothing else
     shutil.rmtree(tmp_path / "runs" / "eval" / "grpo-s0")
+    again = recipe(tmp_path, "--dry-run")
+    assert not [x for x in again.stdout.splitlines() if x.startswith("$ ")], again.stdout
+    shutil.rmtree(out / "eval" / "grpo-s0")
     again = recipe(tmp_path, "--dry-run")
     ran = [x for x in again.stdout.splitlines() if x.startswith("$ ")]
     assert len(ran) == 1 and "eval/grpo-s0" in ran[0], ran
