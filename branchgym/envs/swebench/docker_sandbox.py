@@ -398,7 +398,11 @@ class DockerSandbox(Sandbox):
                 "for _ in 1 2 3; do for d in /proc/[0-9]*; do p=${d#/proc/}; case $p in "
                 f"1|{self.box.main_pid}|$$) ;; *) kill -9 $p 2>/dev/null;; esac; done; done"
             )
-        wrapper = f"{run}; rc=$?; {kill}; exit $rc"
+        # One stream, merged where it is written, as the local backends' one pipe: docker
+        # exec copies stdout and stderr in separate frames, so a stderr line could land in
+        # the middle of a stdout line (seen under load: a test's PASSED line cut in two by
+        # the eval script's `set -x` trace, and a log parser missing that test).
+        wrapper = f"exec 2>&1; {run}; rc=$?; {kill}; exit $rc"
         argv = ["env", "-i", *(f"{k}={v}" for k, v in env.items())]
         argv += ["bash", "-c", wrapper, "branchgym", script]
         before = self.b.cgroup_counts(self.box.c.id)
