@@ -204,9 +204,9 @@ class Recipe:
         if agent not in ("expert", "random", self.a.model):  # a checkpoint of this recipe
             if not Path(agent).exists():  # not trained (again) yet: nothing to compare
                 return False
-            from branchgym.evaluation.agents import make_agent
+            from branchgym.evaluation.agents import model_digest
 
-            now = make_agent(agent, ENV_ID).config.get("digest")
+            now = model_digest(agent)  # what eval would record, without loading the model
             then = json.loads((shipped / "run.json").read_text())["agent"]["config"].get("digest")
             if now != then and not self.same_training(Path(agent)):
                 print(f"  {name}: the shipped evaluation scored another model ({then}, this "
@@ -238,13 +238,13 @@ class Recipe:
         if not (run / "metrics.jsonl").exists() or not shipped.exists():
             return False
 
+        from branchgym.agents.training.saving import read_metrics
+
         def lines(path: Path) -> list[dict[str, Any]]:
-            out = []
-            for x in path.read_text().splitlines():
-                if x.strip():
-                    d = json.loads(x)
-                    out.append({k: v for k, v in d.items() if not k.startswith("time/")})
-            return out
+            return [
+                {k: v for k, v in d.items() if not k.startswith("time/")}
+                for d in read_metrics(path)
+            ]
 
         def close(a: Any, b: Any) -> bool:
             if isinstance(a, (int, float)) and isinstance(b, (int, float)):

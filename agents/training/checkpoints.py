@@ -39,7 +39,9 @@ except ImportError as exc:  # pragma: no cover - exercised only without the extr
 __all__ = [
     "CHECKPOINT_VERSION",
     "json_default",
+    "complete_checkpoints",
     "latest_checkpoint",
+    "sha256_file",
     "load_checkpoint_state",
     "optimizer_state",
     "optimizer_tensors",
@@ -95,16 +97,21 @@ def optimizer_state(tensors: dict[str, Tensor], meta: dict[str, Any]) -> dict[st
     return {"state": state, "param_groups": groups}
 
 
-def latest_checkpoint(run_dir: str | Path) -> Path | None:
-    """The newest complete ``checkpoint-NNNNNN`` of a run folder, or None.
+def complete_checkpoints(run_dir: str | Path) -> list[Path]:
+    """The complete ``checkpoint-NNNNNN`` folders of a run folder, oldest first.
 
     ``-crash`` and ``.partial`` folders are not complete checkpoints.
     """
-    done = [
+    return sorted(
         p for p in Path(run_dir).glob("checkpoint-*")
         if p.is_dir() and p.name[len("checkpoint-") :].isdigit()
-    ]  # fmt: skip
-    return max(done, default=None)
+    )  # fmt: skip
+
+
+def latest_checkpoint(run_dir: str | Path) -> Path | None:
+    """The newest complete ``checkpoint-NNNNNN`` of a run folder, or None."""
+    done = complete_checkpoints(run_dir)
+    return done[-1] if done else None
 
 
 def load_checkpoint_state(folder: str | Path, *, verify: bool = True) -> dict[str, Any]:
@@ -133,7 +140,8 @@ def load_checkpoint_state(folder: str | Path, *, verify: bool = True) -> dict[st
     return state
 
 
-def _sha256(path: Path) -> str:
+def sha256_file(path: Path) -> str:
+    """The SHA-256 of a file's bytes, read in 1 MiB blocks."""
     h = hashlib.sha256()
     with open(path, "rb") as f:
         for chunk in iter(lambda: f.read(1 << 20), b""):
@@ -144,7 +152,7 @@ def _sha256(path: Path) -> str:
 def file_digests(folder: Path) -> dict[str, str]:
     """SHA-256 of every file of a checkpoint folder except ``trainer_state.json``."""
     return {
-        p.name: _sha256(p)
+        p.name: sha256_file(p)
         for p in sorted(folder.iterdir())
         if p.is_file() and p.name != "trainer_state.json"
     }
@@ -162,7 +170,7 @@ def verify_files(folder: Path, digests: dict[str, str] | None) -> None:
         path = folder / name
         if not path.is_file():
             raise CheckpointError(f"{path} is missing from the checkpoint; {fix}.")
-        if _sha256(path) != digest:
+        if sha256_file(path) != digest:
             raise CheckpointError(
                 f"{path} changed since the checkpoint was written (truncated, overwritten or "
                 f"damaged: its SHA-256 differs from trainer_state.json's); {fix}."

@@ -18,6 +18,7 @@ from typing import Any
 from branchgym.agents.training.checkpoints import (
     CHECKPOINT_VERSION,
     check_finite,
+    complete_checkpoints,
     file_digests,
     json_default,
     load_adapters,
@@ -111,11 +112,7 @@ class RunSaving:
             return
         import shutil
 
-        regular = sorted(
-            p for p in self.out_dir.glob("checkpoint-*")
-            if p.is_dir() and p.name[len("checkpoint-"):].isdigit()
-        )  # fmt: skip
-        for old in regular[:-keep]:
+        for old in complete_checkpoints(self.out_dir)[:-keep]:
             shutil.rmtree(old)
 
     def _save_sharded(self, out: Path) -> Path:

@@ -32,6 +32,7 @@ in-process beside its env). :attr:`Agent.config` is what a resumed run must matc
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import importlib
 import json
@@ -43,7 +44,7 @@ from typing import Any
 import numpy as np
 
 from branchgym.digest import stable_hash
-from branchgym.error import OptionError
+from branchgym.error import CheckpointError, OptionError
 from branchgym.rollout.policy import ActionSample, ActRequest, Policy
 
 __all__ = [
@@ -161,6 +162,11 @@ def _latest_checkpoint(folder: Path) -> Path:
     return ckpt
 
 
+def model_digest(path: str | Path) -> str:
+    """The digest eval records for a model folder or train run (the model is not loaded)."""
+    return _folder_digest(_latest_checkpoint(Path(os.path.expanduser(str(path))).resolve()))
+
+
 def _folder_digest(folder: Path) -> str:
     """A digest of a model folder's contents: two folders with other weights differ.
 
@@ -170,27 +176,20 @@ def _folder_digest(folder: Path) -> str:
     a model retrained to the same path has the same sizes, and ``--resume`` would then mix
     two models' episodes in one run.
     """
-    import hashlib
+    from branchgym.agents.training.checkpoints import load_checkpoint_state, sha256_file
 
-    state = folder / "trainer_state.json"
-    recorded = None
-    if state.is_file():
-        try:
-            recorded = json.loads(state.read_text()).get("files")
-        except ValueError:
-            recorded = None
+    recorded: dict[str, str] = {}
+    if (folder / "trainer_state.json").is_file():
+        with contextlib.suppress(CheckpointError):
+            recorded = load_checkpoint_state(folder, verify=False).get("files") or {}
     parts: list[Any] = []
     for p in sorted(folder.iterdir()):
         if not p.is_file():
             continue
-        if recorded and p.name in recorded:
+        if p.name in recorded:
             parts.append((p.name, recorded[p.name]))
         elif p.suffix in (".safetensors", ".bin", ".pt", ".gguf") or p.name == "config.json":
-            h = hashlib.sha256()
-            with open(p, "rb") as fh:
-                for block in iter(lambda fh=fh: fh.read(1 << 24), b""):
-                    h.update(block)
-            parts.append((p.name, h.hexdigest()))
+            parts.append((p.name, sha256_file(p)))
         else:
             parts.append((p.name, p.stat().st_size))
     return stable_hash(parts, size=8)
