@@ -13,11 +13,13 @@ Prefix reuse (``reuse_prefix=True``): the K-1 siblings of a branch point share t
 whole context, so the prompt is prefilled once and its KV cache is repeated across the
 batch of n samples, instead of being recomputed n times. A small LRU of prefilled
 contexts (``prefix_cache_entries``) also lets a multi-turn dialogue prefill only its
-new tokens each turn, and lets siblings start from the KV cache the backbone built at
+new tokens each turn (a one-sample reply's keys and values, computed while decoding it,
+go into the LRU too), and lets siblings start from the KV cache the backbone built at
 that state. ``branchgym bench engine`` measures both.
 
-Distinct prompts are run together (``batch_prompts=True``): one forward pass prefills
-every prompt's uncached tokens after its cached prefix (both left-padded), then the KV
+Distinct prompts are run together (``batch_prompts=True``): forward passes grouped by
+length prefill every prompt's uncached tokens after its cached prefix (both
+left-padded), then the KV
 caches are left-padded into one batch with an attention mask and per-row positions, and
 one forward pass per token advances every row; rows that stop leave the batch. Each
 prompt draws its sampling noise from its own generator (``seeds``), so a prompt samples
@@ -121,12 +123,25 @@ def _first_positions(cache: Any, n: int) -> list[tuple[torch.Tensor, torch.Tenso
 
 
 def _batch_cache(layers: Sequence[tuple[torch.Tensor, torch.Tensor]], rows: int) -> Any:
-    """A ``DynamicCache`` of ``rows`` copies of a batch-1 cache's ``layers``."""
+    """A ``DynamicCache`` of ``rows`` copies of a batch-1 cache's ``layers`` (expanded views)."""
+    return _cache_of([(k.expand(rows, -1, -1, -1), v.expand(rows, -1, -1, -1)) for k, v in layers])
+
+
+def _cache_of(layers: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> Any:
+    """A ``DynamicCache`` that holds each layer's (keys, values) as given: no copy.
+
+    ``DynamicCache(ddp_cache_data=...)`` appends each layer to an empty one with
+    ``torch.cat``, a copy of the whole cache: 6.9 of 89 s of a 16-episode batched WebShop
+    eval. A ``DynamicLayer`` never writes its tensors in place (it appends by
+    concatenation), so holding views of tensors someone else reads is safe.
+    """
     from transformers import DynamicCache
 
-    return DynamicCache(
-        ddp_cache_data=[(k.expand(rows, -1, -1, -1), v.expand(rows, -1, -1, -1)) for k, v in layers]
-    )
+    cache = DynamicCache(ddp_cache_data=[(None, None)] * len(layers))
+    for layer, (keys, values) in zip(cache.layers, layers, strict=True):
+        layer.lazy_initialization(keys, values)
+        layer.keys, layer.values = keys, values
+    return cache
 
 
 def _room_cache(layers: Sequence[tuple[torch.Tensor, torch.Tensor]], room: int) -> Any:
@@ -230,6 +245,33 @@ def _masked_gqa(method: Callable[..., Any]) -> Callable[..., Any]:
     return run
 
 
+#: What one more prefill pass costs, in padded tokens (a pass's fixed work on a CPU).
+PASS_TOKENS = 32
+
+
+def _prefill_passes(lengths: Sequence[int], pass_tokens: int = PASS_TOKENS) -> list[list[int]]:
+    """Indices of ``lengths`` (rows' new tokens) split into prefill passes that pad least.
+
+    Rows left-padded into one pass all cost the longest row's length. Sorted by length,
+    the rows are cut into runs by dynamic programming over the total cost: each run's
+    rows times its longest length, plus ``pass_tokens`` per run.
+    """
+    order = sorted(range(len(lengths)), key=lambda i: lengths[i])
+    best = [0] + [float("inf")] * len(order)
+    cut = [0] * (len(order) + 1)
+    for end in range(1, len(order) + 1):
+        longest = lengths[order[end - 1]]
+        for begin in range(end):
+            cost = best[begin] + (end - begin) * longest + pass_tokens
+            if cost < best[end]:
+                best[end], cut[end] = cost, begin
+    passes, end = [], len(order)
+    while end:
+        passes.append(order[cut[end] : end])
+        end = cut[end]
+    return passes[::-1]
+
+
 #: A batched decode drops its stopped rows once they are more than this share of the
 #: batch (dropping copies every layer's cache; keeping a stopped row costs its compute).
 DROP_SHARE = 0.25
@@ -244,11 +286,12 @@ class _Decoded:
     ents: list[list[float]]
     entk: list[list[float]]
     done: list[bool]
+    last: list[torch.Tensor | None]  # the logits row that predicted the row's last token
 
     @classmethod
     def empty(cls, rows: int) -> _Decoded:
         """``rows`` rows with nothing sampled yet."""
-        return cls(*([[] for _ in range(rows)] for _ in range(4)), [False] * rows)
+        return cls(*([[] for _ in range(rows)] for _ in range(4)), [False] * rows, [None] * rows)
 
     def generation(
         self, r: int, prefix: list[int], pre: tuple[list[float], list[float], list[float]]
@@ -343,8 +386,14 @@ class HFEngine:
         """Drop every cached prefix."""
         self._cache.clear()
 
-    def _lookup(self, ids: tuple[int, ...]) -> tuple[int, Any, torch.Tensor | None]:
-        """Longest cached prefix of ``ids``: (length, a private copy of its cache, logits)."""
+    def _lookup(
+        self, ids: tuple[int, ...], private: bool = True
+    ) -> tuple[int, Any, torch.Tensor | None]:
+        """Longest cached prefix of ``ids``: (length, its cache, logits).
+
+        ``private``: a copy of the cache, which the caller may extend; else the entry's own
+        cache, which the caller only reads.
+        """
         best, hit = 0, None
         for key, val in self._cache.items():
             if len(key) <= len(ids) and len(key) > best and ids[: len(key)] == key:
@@ -353,12 +402,15 @@ class HFEngine:
             return 0, None, None
         self._cache.move_to_end(hit[0])
         cache, logits = hit[1]
-        return best, copy.deepcopy(cache), logits
+        return best, copy.deepcopy(cache) if private else cache, logits
 
-    def _store(self, ids: tuple[int, ...], cache: Any, logits: torch.Tensor) -> None:
+    def _store(
+        self, ids: tuple[int, ...], cache: Any, logits: torch.Tensor, *, owned: bool = False
+    ) -> None:
+        """Keep ``cache`` (of ``ids``) and the logits row after it; ``owned``: no copy needed."""
         if self.prefix_cache_entries <= 0:
             return
-        self._cache[ids] = (copy.deepcopy(cache), logits)
+        self._cache[ids] = (cache if owned else copy.deepcopy(cache), logits)
         self._cache.move_to_end(ids)
         # at least one entry per prompt of the latest batched call: each line's next prompt
         # extends its current one, so a smaller LRU would evict what the next turn reads
@@ -491,23 +543,24 @@ class HFEngine:
     def _open_many(
         self, jobs: Sequence[tuple[list[int], list[int]]]
     ) -> list[tuple[Any, torch.Tensor]]:
-        """:meth:`_open` for every job, their uncached tokens prefilled in one forward pass.
+        """:meth:`_open` for every job, their uncached tokens prefilled in batched passes.
 
         Each job's longest cached prefix comes from the LRU (left-padded to the longest
-        one); its uncached prompt tokens and forced prefix follow, left-padded too, so
-        every row's last token sits in the last column. The attention mask hides both
-        paddings and each row gets its own positions. Each prompt's KV cache goes back to
-        the LRU, and each job comes back as a compact batch-1 cache, as :meth:`_open` gives.
+        one of its pass); its uncached prompt tokens and forced prefix follow, left-padded
+        too, so every row's last token sits in the last column. The attention mask hides
+        both paddings and each row gets its own positions. The jobs go through as few
+        passes as keep padding low (:func:`_prefill_passes`: prefill is compute-bound, a
+        padded token costs as much as a real one). Each prompt's KV cache goes back to the
+        LRU, and each job comes back as a compact batch-1 cache, as :meth:`_open` gives.
         """
-        from transformers import DynamicCache
-
         use = self.prefix_cache_entries > 0
         if use:
             self._prefill_shared([tuple(int(t) for t in p) for p, _ in jobs])
         found = []
         for prompt, _ in jobs:
             key = tuple(int(t) for t in prompt)
-            found.append((key, *(self._lookup(key) if use else (0, None, None))))
+            # read only: the pass pads them into new tensors, _sample_batch copies them
+            found.append((key, *(self._lookup(key, private=False) if use else (0, None, None))))
         todo = [
             i for i, ((key, start, _, _), (_, f)) in enumerate(zip(found, jobs, strict=True))
             if start < len(key) or f
@@ -517,69 +570,80 @@ class HFEngine:
             if i not in todo:  # the whole context is cached
                 self.stats["cached_tokens"] += start
                 out[i] = (cache, last)
-        if todo:
-            dev = self.device
-            starts = [found[i][1] for i in todo]
-            tails = [list(found[i][0][found[i][1] :]) + jobs[i][1] for i in todo]
-            wc, ws = max(starts), max(map(len, tails))
-            mask = torch.zeros(len(todo), wc + ws, dtype=torch.long, device=dev)
-            ids = torch.zeros(len(todo), ws, dtype=torch.long, device=dev)
-            pos = torch.zeros(len(todo), ws, dtype=torch.long, device=dev)
-            for r, (start, tail) in enumerate(zip(starts, tails, strict=True)):
-                mask[r, wc - start : wc] = 1
-                mask[r, wc + ws - len(tail) :] = 1
-                ids[r, ws - len(tail) :] = torch.tensor(tail, device=dev)
-                pos[r, ws - len(tail) :] = torch.arange(start, start + len(tail), device=dev)
-            past = DynamicCache()
-            if wc:
-                ref = next(found[i][2] for i in todo if found[i][1])
-                layers = []
-                for li, layer in enumerate(ref.layers):
-                    ks, vs = [], []
-                    for i, start in zip(todo, starts, strict=True):
-                        cache = found[i][2]
-                        if cache is None:
-                            shape = (1, layer.keys.shape[1], wc, layer.keys.shape[3])
-                            ks.append(layer.keys.new_zeros(shape))
-                            vs.append(layer.values.new_zeros(shape))
-                            continue
-                        pad = (0, 0, wc - start, 0)
-                        ks.append(torch.nn.functional.pad(cache.layers[li].keys, pad))
-                        vs.append(torch.nn.functional.pad(cache.layers[li].values, pad))
-                    layers.append((torch.cat(ks), torch.cat(vs)))
-                past = DynamicCache(ddp_cache_data=layers)
-            # the output layer on the rows that predict: each job's forced prefix and the
-            # row before it (all rows end in the last column), not its prompt's rows
-            width = min(ws, 1 + max(len(jobs[i][1]) for i in todo))
-            logits, full = self._forward(
-                ids, past, keep=width, attention_mask=mask, position_ids=pos
-            )
-            for r, (i, start, tail) in enumerate(zip(todo, starts, tails, strict=True)):
-                key, _, _, last = found[i]
-                forced = len(jobs[i][1])
-                prompt_new = len(key) - start
-                self.stats["prefill_tokens"] += len(tail)
-                self.stats["cached_tokens"] += start
-                keep = mask[r].nonzero()[:, 0]  # this row's real positions, in order
-                data = [
-                    (lay.keys[r : r + 1, :, keep], lay.values[r : r + 1, :, keep])
-                    for lay in full.layers
-                ]
-                # rows from the prompt's last token on (one per forced token, then the next)
-                rows = logits[r, width - forced - (1 if prompt_new else 0) :]
-                if prompt_new:
-                    last, rows = rows[:1].clone(), rows[1:]
-                    if use:
-                        n_key = len(key)
-                        self._store(
-                            key,
-                            DynamicCache(
-                                ddp_cache_data=[(k[:, :, :n_key], v[:, :, :n_key]) for k, v in data]
-                            ),
-                            last,
-                        )
-                out[i] = (DynamicCache(ddp_cache_data=data), torch.cat([last, rows], dim=0))
+        tails = {i: len(found[i][0]) - found[i][1] + len(jobs[i][1]) for i in todo}
+        for part in _prefill_passes([tails[i] for i in todo]):
+            self._prefill_rows(jobs, found, [todo[k] for k in part], out)
         return out  # type: ignore[return-value]
+
+    def _prefill_rows(
+        self,
+        jobs: Sequence[tuple[list[int], list[int]]],
+        found: list[tuple[tuple[int, ...], int, Any, torch.Tensor | None]],
+        todo: list[int],
+        out: list[tuple[Any, torch.Tensor] | None],
+    ) -> None:
+        """One prefill pass of :meth:`_open_many` over the jobs ``todo`` (into ``out``)."""
+        from transformers import DynamicCache
+
+        use = self.prefix_cache_entries > 0
+        dev = self.device
+        starts = [found[i][1] for i in todo]
+        tails = [list(found[i][0][found[i][1] :]) + jobs[i][1] for i in todo]
+        wc, ws = max(starts), max(map(len, tails))
+        mask = torch.zeros(len(todo), wc + ws, dtype=torch.long, device=dev)
+        ids = torch.zeros(len(todo), ws, dtype=torch.long, device=dev)
+        pos = torch.zeros(len(todo), ws, dtype=torch.long, device=dev)
+        for r, (start, tail) in enumerate(zip(starts, tails, strict=True)):
+            mask[r, wc - start : wc] = 1
+            mask[r, wc + ws - len(tail) :] = 1
+            ids[r, ws - len(tail) :] = torch.tensor(tail, device=dev)
+            pos[r, ws - len(tail) :] = torch.arange(start, start + len(tail), device=dev)
+        past = DynamicCache()
+        if wc:
+            ref = next(found[i][2] for i in todo if found[i][1])
+            layers = []
+            for li, layer in enumerate(ref.layers):
+                ks, vs = [], []
+                for i, start in zip(todo, starts, strict=True):
+                    cache = found[i][2]
+                    if cache is None:
+                        shape = (1, layer.keys.shape[1], wc, layer.keys.shape[3])
+                        ks.append(layer.keys.new_zeros(shape))
+                        vs.append(layer.values.new_zeros(shape))
+                        continue
+                    pad = (0, 0, wc - start, 0)
+                    ks.append(torch.nn.functional.pad(cache.layers[li].keys, pad))
+                    vs.append(torch.nn.functional.pad(cache.layers[li].values, pad))
+                layers.append((torch.cat(ks), torch.cat(vs)))
+            past = _cache_of(layers)
+        # the output layer on the rows that predict: each job's forced prefix and the
+        # row before it (all rows end in the last column), not its prompt's rows
+        width = min(ws, 1 + max(len(jobs[i][1]) for i in todo))
+        logits, full = self._forward(ids, past, keep=width, attention_mask=mask, position_ids=pos)
+        for r, (i, start, tail) in enumerate(zip(todo, starts, tails, strict=True)):
+            key, _, _, last = found[i]
+            forced = len(jobs[i][1])
+            prompt_new = len(key) - start
+            self.stats["prefill_tokens"] += len(tail)
+            self.stats["cached_tokens"] += start
+            keep = mask[r].nonzero()[:, 0]  # this row's real positions, in order
+            data = [
+                (lay.keys[r : r + 1, :, keep], lay.values[r : r + 1, :, keep])
+                for lay in full.layers
+            ]
+            # rows from the prompt's last token on (one per forced token, then the next)
+            rows = logits[r, width - forced - (1 if prompt_new else 0) :]
+            if prompt_new:
+                last, rows = rows[:1].clone(), rows[1:]
+                if use:  # views of the row's cache: neither is ever written in place
+                    n_key = len(key)
+                    self._store(
+                        key,
+                        _cache_of([(k[:, :, :n_key], v[:, :, :n_key]) for k, v in data]),
+                        last,
+                        owned=True,
+                    )
+            out[i] = (_cache_of(data), torch.cat([last, rows], dim=0))
 
     def _prefill_shared(self, keys: Sequence[tuple[int, ...]]) -> None:
         """Prefill once the prefix that every prompt of a batched call starts with.
@@ -668,7 +732,36 @@ class HFEngine:
             return logits[:, -1], active
 
         dec = self._decode(rows[-1:].expand(n, -1), n, limit, noise, advance)
+        if reuse and n == 1:  # the decode computed the reply's keys and values: keep them
+            held = len(ctx) + len(dec.toks[0]) - 1
+            self._keep_reply(
+                ctx,
+                dec.toks[0],
+                [(lay.keys[:, :, :held].clone(), lay.values[:, :, :held].clone())
+                 for lay in cache.layers],
+                dec.last[0],
+            )  # fmt: skip
         return [dec.generation(i, prefix, pre) for i in range(n)]
+
+    def _keep_reply(
+        self,
+        ctx: list[int],
+        toks: list[int],
+        layers: list[tuple[torch.Tensor, torch.Tensor]],
+        last: torch.Tensor | None,
+    ) -> None:
+        """Keep the KV cache of a sampled reply in the prefix cache.
+
+        A dialogue's next prompt is this one, the reply's tokens and the new message:
+        without this entry the next turn prefills the reply again, though decoding it
+        computed its keys and values already. ``layers``: each layer's (keys, values) of
+        ``ctx + toks[:-1]`` (batch 1, owned: the sampled last token was never fed);
+        ``last``: the logits row that predicted ``toks[-1]``.
+        """
+        if self.prefix_cache_entries <= 0 or len(toks) < 2 or last is None:
+            return  # a one-token reply adds nothing to the prompt's own entry
+        key = tuple(ctx + toks[:-1])
+        self._store(key, _cache_of(layers), last[None].clone(), owned=True)
 
     def _sample_batch(
         self, jobs: Sequence[tuple[list[int], list[int], int, torch.Generator]], limit: int
@@ -700,11 +793,14 @@ class HFEngine:
         for li in range(len(opened[0][0].layers)):
             ref = opened[0][0].layers[li]
             heads = ref.keys.shape[1]
-            keys = ref.keys.new_zeros((total, heads, width + limit, ref.keys.shape[-1]))
-            values = ref.values.new_zeros((total, heads, width + limit, ref.values.shape[-1]))
+            # the room after `width` is written before it is read: only padding is zeroed
+            keys = ref.keys.new_empty((total, heads, width + limit, ref.keys.shape[-1]))
+            values = ref.values.new_empty((total, heads, width + limit, ref.values.shape[-1]))
             row = 0
             for (one, _), length, k in zip(opened, lens, counts, strict=True):
                 # left-padded to the longest context: each job's rows end at `width`
+                keys[row : row + k, :, : width - length] = 0
+                values[row : row + k, :, : width - length] = 0
                 keys[row : row + k, :, width - length : width] = one.layers[li].keys
                 values[row : row + k, :, width - length : width] = one.layers[li].values
                 row += k
@@ -737,10 +833,26 @@ class HFEngine:
                 parts.append(u if len(here) == k else u[here])
             return torch.cat(parts)
 
+        # replies of one-sample jobs: their KV cache goes to the prefix cache (the line's
+        # next turn extends it), copied as each row stops, before it can leave the batch
+        replies: dict[int, list[tuple[torch.Tensor, torch.Tensor]]] = {}
+        held = list(range(total))  # the global rows the batch holds, in order
+
+        def keep_replies(at: list[int]) -> None:
+            for i in at:
+                r = held[i]
+                if r in replies or counts[owner[r]] != 1 or self.prefix_cache_entries <= 0:
+                    continue
+                real = mask[i].nonzero()[:, 0]  # the row's context and reply so far
+                replies[r] = [(lay.keys[i : i + 1, :, real], lay.values[i : i + 1, :, real])
+                              for lay in cache.layers]  # fmt: skip
+
         def advance(
             nxt: torch.Tensor, active: list[int], keep: list[int]
         ) -> tuple[torch.Tensor, list[int]]:
-            nonlocal cache, mask, pos
+            nonlocal cache, mask, pos, held
+            going = set(keep)
+            keep_replies([i for i in range(len(active)) if i not in going])
             if len(keep) < (1 - DROP_SHARE) * len(active):  # stopped rows leave the batch
                 idx = torch.tensor(keep, device=dev)
                 cache.batch_select_indices(idx)
@@ -754,10 +866,15 @@ class HFEngine:
                 past_key_values=cache,
                 use_cache=True,
             )
-            cache, pos = out.past_key_values, pos + 1
+            cache, pos, held = out.past_key_values, pos + 1, active
             return out.logits[:, -1], active
 
         dec = self._decode(logits, total, limit, noise, advance)
+        keep_replies(list(range(len(held))))  # rows that ran to the end
+        self._working_set = len(jobs) + len(replies)
+        for r, layers in replies.items():
+            prompt, prefix, _, _ = jobs[owner[r]]
+            self._keep_reply(prompt + prefix, dec.toks[r], layers, dec.last[r])
         return [
             [dec.generation(r, prefix, pre_j) for r in range(first[j], first[j] + k)]
             for j, ((_, prefix, k, _), pre_j) in enumerate(zip(jobs, pre, strict=True))
@@ -798,6 +915,7 @@ class HFEngine:
                 dec.ents[r].append(ent_l[i])
                 dec.entk[r].append(entk_l[i])
                 dec.done[r] = nxt_l[i] in stops
+                dec.last[r] = logits[i]
             self.stats["decode_steps"] += 1
             keep = [i for i, r in enumerate(active) if not dec.done[r]]
             if not keep or step == limit - 1:

@@ -73,6 +73,66 @@ def test_batched_decoding_matches_one_prompt_at_a_time(tiny):
         eng.generate(prompts, 1, seeds=[1])
 
 
+def test_a_dialogue_turn_prefills_only_what_its_last_reply_did_not_compute(tiny):
+    # a one-sample reply's KV cache goes to the prefix cache: the next turn (prompt,
+    # reply, new message) prefills the reply's last token and the message only, whether
+    # the reply left the batch when it stopped, stayed in it, or ran to the token limit
+    rng = np.random.default_rng(2)
+    vocab = len(tiny[1])
+    prompts = [rng.integers(10, vocab - 10, size=n).tolist() for n in (6, 30, 12, 8, 17, 3)]
+    for batched in (True, False):
+        eng = engine(tiny)
+        first = eng.generate(prompts, 1, seeds=range(6), batch_prompts=batched)
+        reasons = {g[0].finish_reason for g in first}
+        assert reasons == {"stop", "length"}, reasons
+        assert len({len(g[0].token_ids) for g in first}) > 2
+        news = [rng.integers(10, vocab - 10, size=n).tolist() for n in (4, 9, 2, 5, 1, 7)]
+        nxt = [
+            p + g[0].token_ids.tolist() + m for p, g, m in zip(prompts, first, news, strict=True)
+        ]
+        before = dict(eng.stats)
+        warm = eng.generate(nxt, 1, seeds=range(10, 16), batch_prompts=batched)
+        assert eng.stats["prefill_tokens"] - before["prefill_tokens"] == sum(
+            1 + len(m) for m in news
+        )
+        cold = engine(tiny, prefix_cache_entries=0).generate(
+            nxt, 1, seeds=range(10, 16), batch_prompts=False
+        )
+        for (x,), (y,) in zip(warm, cold, strict=True):
+            assert x.token_ids.tolist() == y.token_ids.tolist()
+            np.testing.assert_allclose(x.logprobs, y.logprobs, atol=1e-5)
+            np.testing.assert_allclose(x.entropies, y.entropies, atol=1e-5)
+
+
+def test_prefill_passes_pad_least_and_keep_every_row():
+    from itertools import combinations
+
+    from branchgym.agents.engines.hf import _prefill_passes
+
+    def cost(lengths, passes, per_pass):
+        return sum(len(p) * max(lengths[i] for i in p) + per_pass for p in passes)
+
+    assert _prefill_passes([140, 138, 141]) == [[1, 0, 2]]  # close lengths: one pass
+    assert _prefill_passes([12, 400, 10, 390]) == [[2, 0], [3, 1]]
+    rng = np.random.default_rng(0)
+    for _ in range(200):
+        lengths = rng.integers(1, 300, size=int(rng.integers(1, 8))).tolist()
+        per_pass = int(rng.integers(0, 64))
+        passes = _prefill_passes(lengths, per_pass)
+        assert sorted(i for p in passes for i in p) == list(range(len(lengths)))
+        order = sorted(range(len(lengths)), key=lambda i: lengths[i])
+        best = min(  # every split of the sorted rows into contiguous runs
+            cost(
+                lengths,
+                [order[a:b] for a, b in zip((0, *cuts), (*cuts, len(order)), strict=True)],
+                per_pass,
+            )
+            for k in range(len(order))
+            for cuts in combinations(range(1, len(order)), k)
+        )
+        assert cost(lengths, passes, per_pass) == best
+
+
 @pytest.mark.slow
 def test_batched_llm_trees_match_serial_trees(tiny):
     env = gym.make("branchgym/TextTreeMDP-v0", max_episode_steps=2)
