@@ -12,7 +12,8 @@ The same agent (SmolLM2-135M-Instruct by default, through
 
 Both run after one warm-up episode, in the same process, one after the other, so the
 ratio of their episodes per hour is measured under the same load. Reported: wall
-seconds, episodes per hour, env steps and generated tokens of each, and the speed-up.
+seconds, episodes per hour, env steps, generated tokens, and the engine's prefilled and
+prefix-cached tokens of each, and the speed-up.
 This study measures and prints; it asserts nothing.
 """
 
@@ -48,6 +49,17 @@ def configure(parser: argparse.ArgumentParser) -> None:
         help="the model's weight type (float32)",
     )  # fmt: skip
     parser.add_argument("--out", default="results", help="report folder")
+
+
+def _engine_stats(agent) -> dict[str, int]:
+    """The agent's engine counters (prefilled, cached tokens, decode steps), if it has one."""
+    return dict(getattr(getattr(agent.policy, "engine", None), "stats", None) or {})
+
+
+def _counted(agent, before: dict[str, int], run: dict[str, float]) -> dict[str, float]:
+    """``run`` with the engine counters it added."""
+    after = _engine_stats(agent)
+    return {**run, **{k: after[k] - before.get(k, 0) for k in after}}
 
 
 def _plain_loop(protocol, agent, seed: int) -> dict[str, float]:
@@ -86,7 +98,9 @@ def main(args: argparse.Namespace) -> int:
                        dtype=args.dtype)  # fmt: skip
     warm = get_protocol(args.protocol).resolve(tasks=1, max_steps=args.max_steps)
     _plain_loop(warm, agent, seed=99)  # loads kernels and caches for both runs
-    plain = _plain_loop(protocol, agent, seed=0)
+    before = _engine_stats(agent)
+    plain = _counted(agent, before, _plain_loop(protocol, agent, seed=0))
+    before = _engine_stats(agent)
     with tempfile.TemporaryDirectory(prefix="bench_eval_") as tmp:
         t0 = time.perf_counter()
         summary = run_eval(protocol, agent, Path(tmp) / "run",
@@ -97,12 +111,14 @@ def main(args: argparse.Namespace) -> int:
         "env_steps": summary["cost"]["env_steps"],
         "tokens": summary["cost"]["generated_tokens"],
     }
+    batched = _counted(agent, before, batched)
     n = len(protocol.tasks)
     rows = []
     for label, m in (("plain loop, one episode at a time", plain),
                      (f"branchgym eval, {args.max_envs} envs, lockstep", batched)):  # fmt: skip
         rows.append([label, n, f"{m['seconds']:.1f}", f"{3600 * n / m['seconds']:.0f}",
-                     m["env_steps"], m["tokens"], f"{m['tokens'] / m['seconds']:.1f}"])  # fmt: skip
+                     m["env_steps"], m["tokens"], f"{m['tokens'] / m['seconds']:.1f}",
+                     m.get("prefill_tokens", "-"), m.get("cached_tokens", "-")])  # fmt: skip
     speedup = plain["seconds"] / batched["seconds"]
     report = Report(args.out, "eval", "branchgym bench eval")
     report.add(
@@ -111,7 +127,8 @@ def main(args: argparse.Namespace) -> int:
         "same tasks and seeds both ways, after one warm-up episode."
     )
     print(report.table(["run", "episodes", "seconds", "episodes/hour", "env steps",
-                        "generated tokens", "tokens/s"], rows))  # fmt: skip
+                        "generated tokens", "tokens/s", "prefilled tokens",
+                        "cached tokens"], rows))  # fmt: skip
     line = f"speed-up of branchgym eval over the plain loop: {speedup:.2f}x episodes per hour"
     print(line)
     report.add(line)

@@ -15,6 +15,8 @@ def test_bench_eval_measures_both_ways(tmp_path, capsys):
     assert main(argv) == 0
     data = json.loads((tmp_path / "eval.json").read_text())
     assert data["plain"]["env_steps"] > 0 and data["batched"]["env_steps"] > 0
+    for run in ("plain", "batched"):  # the engine's counters, per run
+        assert data[run]["prefill_tokens"] > 0 and data[run]["cached_tokens"] > 0
     assert data["speedup"] == pytest.approx(
         data["plain"]["seconds"] / data["batched"]["seconds"]
     )
