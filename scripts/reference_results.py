@@ -310,6 +310,8 @@ def copy_results(recipe: Recipe) -> None:
     out, runs = recipe.out, recipe.runs
     for folder in sorted(runs.glob("*")):
         if folder.name != "eval" and (folder / "metrics.jsonl").exists():
+            if not recipe.train_done(folder):  # still training (or stopped): a shipped run
+                continue  # of that name stays as it is until this one finishes
             if recipe.same_training(folder):  # a retrace of a shipped run: keep the original
                 continue  # (its cost stays the first run's; the retrain's is in timings.jsonl)
             _copy(folder, out / "train" / folder.name, ("metrics.jsonl", "args.json", "curves.png"))

@@ -91,3 +91,39 @@ def test_every_learner_of_the_recipe_accepts_its_options():
         args = make_args(conf["algo"], **options)
         assert args.micro_batch_tokens == 2048, name
     assert make_args("rloo", n="8").advantage == "rloo"
+
+
+def test_results_of_a_run_still_training_do_not_replace_the_shipped_ones(tmp_path):
+    """The report copies a learner run's files only once it finished: a retrain under way
+    (its checkpoint short of the budget) had emptied a shipped run's metrics."""
+    import argparse
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(
+        "reference_results", SCRIPTS / "reference_results.py"
+    )
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    runs, out = tmp_path / "runs", tmp_path / "out"
+    recipe = mod.Recipe(argparse.Namespace(runs=str(runs), out=str(out), sft_steps=8))
+    shipped = out / "train" / "bellman_po-s0" / "metrics.jsonl"
+    shipped.parent.mkdir(parents=True)
+    shipped.write_text(
+        "".join(json.dumps({"step": i, "env/steps": 70}) + "\n" for i in (1, 2, 3, 4))
+    )
+    run = runs / "bellman_po-s0"
+    (run / "checkpoint-000001").mkdir(parents=True)
+    (run / "metrics.jsonl").write_text(json.dumps({"step": 1, "env/steps": 64}) + "\n")
+
+    def state(env_steps):
+        (run / "checkpoint-000001" / "trainer_state.json").write_text(json.dumps(
+            {"step": 1, "env_steps": env_steps, "args": {"steps": 100, "max_env_steps": 240}}
+        ))  # fmt: skip
+
+    state(64)  # under way
+    before = shipped.read_text()
+    mod.copy_results(recipe)
+    assert shipped.read_text() == before
+    state(250)  # finished, and not a retrace of the shipped run: its files replace them
+    mod.copy_results(recipe)
+    assert shipped.read_text() == (run / "metrics.jsonl").read_text()
