@@ -736,6 +736,7 @@ class HFEngine:
             held = len(ctx) + len(dec.toks[0]) - 1
             self._keep_reply(
                 ctx,
+                len(prompt),
                 dec.toks[0],
                 [(lay.keys[:, :, :held].clone(), lay.values[:, :, :held].clone())
                  for lay in cache.layers],
@@ -746,6 +747,7 @@ class HFEngine:
     def _keep_reply(
         self,
         ctx: list[int],
+        prompt_len: int,
         toks: list[int],
         layers: list[tuple[torch.Tensor, torch.Tensor]],
         last: torch.Tensor | None,
@@ -756,12 +758,21 @@ class HFEngine:
         without this entry the next turn prefills the reply again, though decoding it
         computed its keys and values already. ``layers``: each layer's (keys, values) of
         ``ctx + toks[:-1]`` (batch 1, owned: the sampled last token was never fed);
-        ``last``: the logits row that predicted ``toks[-1]``.
+        ``last``: the logits row that predicted ``toks[-1]``. The prompt's own entry
+        (``ctx[:prompt_len]``, which forks from this state read) is then held as views of
+        the reply's tensors: the same keys and values, kept once.
         """
         if self.prefix_cache_entries <= 0 or len(toks) < 2 or last is None:
             return  # a one-token reply adds nothing to the prompt's own entry
         key = tuple(ctx + toks[:-1])
         self._store(key, _cache_of(layers), last[None].clone(), owned=True)
+        own = tuple(ctx[:prompt_len])
+        if own in self._cache:
+            logits = self._cache[own][1]
+            self._cache[own] = (
+                _cache_of([(k[:, :, :prompt_len], v[:, :, :prompt_len]) for k, v in layers]),
+                logits,
+            )
 
     def _sample_batch(
         self, jobs: Sequence[tuple[list[int], list[int], int, torch.Generator]], limit: int
@@ -874,7 +885,7 @@ class HFEngine:
         self._working_set = len(jobs) + len(replies)
         for r, layers in replies.items():
             prompt, prefix, _, _ = jobs[owner[r]]
-            self._keep_reply(prompt + prefix, dec.toks[r], layers, dec.last[r])
+            self._keep_reply(prompt + prefix, len(prompt), dec.toks[r], layers, dec.last[r])
         return [
             [dec.generation(r, prefix, pre_j) for r in range(first[j], first[j] + k)]
             for j, ((_, prefix, k, _), pre_j) in enumerate(zip(jobs, pre, strict=True))

@@ -90,6 +90,10 @@ def test_a_dialogue_turn_prefills_only_what_its_last_reply_did_not_compute(tiny)
         nxt = [
             p + g[0].token_ids.tolist() + m for p, g, m in zip(prompts, first, news, strict=True)
         ]
+        for p, (g,) in zip(prompts, first, strict=True):  # the prompt's entry: views, kept once
+            own = eng._cache[tuple(p)][0].layers[0].keys
+            reply = eng._cache[tuple(p + g.token_ids.tolist()[:-1])][0].layers[0].keys
+            assert own.untyped_storage().data_ptr() == reply.untyped_storage().data_ptr()
         before = dict(eng.stats)
         warm = eng.generate(nxt, 1, seeds=range(10, 16), batch_prompts=batched)
         assert eng.stats["prefill_tokens"] - before["prefill_tokens"] == sum(
