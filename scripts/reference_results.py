@@ -137,11 +137,29 @@ class Recipe:
 
     def sft_command(self) -> list[str]:
         """The warm start (:data:`SFT`) of ``--model``."""
-        options = {"threads": self.a.threads * self.a.jobs, "micro_batch_tokens": 2048,
+        threads = self.run_threads("sft") or self.a.threads * self.a.jobs
+        options = {"threads": threads, "micro_batch_tokens": 2048,
                    **SFT["set"], "checkpoint_every": self.a.sft_steps}  # fmt: skip
         fixed = ["--algo", "sft", "--model", self.a.model, "--steps", str(self.a.sft_steps),
                  "--lr", str(SFT["lr"]), "--seed", "0"]  # fmt: skip
         return self.train_command(fixed, options, self.runs / "sft")
+
+    def run_threads(self, name: str) -> int | None:
+        """The thread count that run ``name`` must use (None: ``--threads`` decides).
+
+        Its own when it resumes, else the shipped run's of that name (a retrain). In
+        bfloat16 the order of a matrix product's sums depends on the thread count, so only
+        a retrain at the same count retraces the shipped run (and keeps its
+        evaluation): Bellman PO s0 retrained on 2 threads, shipped from 1, sampled other
+        replies from its first step. A resumed run keeps the count it started with.
+        """
+        local = self.runs / name
+        for folder in ((local,) if latest_checkpoint(local) else ()) + (self.out / "train" / name,):
+            path = folder / "args.json"
+            if path.exists():
+                threads = json.loads(path.read_text()).get("threads")
+                return int(threads) if threads else None
+        return None
 
     def sft_model(self) -> Path:
         """The SFT run's final checkpoint: every learner starts from it."""
@@ -150,7 +168,8 @@ class Recipe:
     def learner_command(self, name: str, seed: int) -> list[str]:
         """Learner ``name`` (:data:`LEARNERS`) from the SFT model, to the env-step budget."""
         spec = LEARNERS[name]
-        options = {"threads": self.a.threads, **COMMON["set"], **spec["set"],
+        threads = self.run_threads(f"{name}-s{seed}") or self.a.threads
+        options = {"threads": threads, **COMMON["set"], **spec["set"],
                    "max_env_steps": self.a.budget}  # fmt: skip
         fixed = ["--algo", spec["algo"], "--model", str(self.sft_model()),
                  "--steps", str(self.a.max_steps), "--prompts", str(self.a.prompts),

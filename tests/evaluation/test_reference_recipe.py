@@ -127,3 +127,30 @@ def test_results_of_a_run_still_training_do_not_replace_the_shipped_ones(tmp_pat
     state(250)  # finished, and not a retrace of the shipped run: its files replace them
     mod.copy_results(recipe)
     assert shipped.read_text() == (run / "metrics.jsonl").read_text()
+
+
+def test_a_retrain_uses_the_shipped_runs_thread_count_and_a_resume_its_own(tmp_path):
+    """bfloat16 sums depend on the thread count: a retrain on another count is another run."""
+    import argparse
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(
+        "reference_results", SCRIPTS / "reference_results.py"
+    )
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    runs, out = tmp_path / "runs", tmp_path / "out"
+    args = argparse.Namespace(runs=str(runs), out=str(out), sft_steps=8, threads=2, jobs=1,
+                              device="cpu", budget=240, max_steps=100, prompts=2)  # fmt: skip
+    recipe = mod.Recipe(args)
+
+    def threads(cmd):
+        return [x for x in cmd if x.startswith("threads=")]
+
+    assert threads(recipe.learner_command("grpo", 0)) == ["threads=2"]  # nothing shipped
+    (out / "train" / "grpo-s0").mkdir(parents=True)
+    (out / "train" / "grpo-s0" / "args.json").write_text(json.dumps({"threads": 1}))
+    assert threads(recipe.learner_command("grpo", 0)) == ["threads=1"]  # a retrain
+    (runs / "grpo-s0" / "checkpoint-000001").mkdir(parents=True)
+    (runs / "grpo-s0" / "args.json").write_text(json.dumps({"threads": 2}))
+    assert threads(recipe.learner_command("grpo", 0)) == ["threads=2"]  # resumes as it began
