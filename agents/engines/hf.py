@@ -570,8 +570,8 @@ class HFEngine:
             if i not in todo:  # the whole context is cached
                 self.stats["cached_tokens"] += start
                 out[i] = (cache, last)
-        tails = {i: len(found[i][0]) - found[i][1] + len(jobs[i][1]) for i in todo}
-        for part in _prefill_passes([tails[i] for i in todo]):
+        new = [len(found[i][0]) - found[i][1] + len(jobs[i][1]) for i in todo]
+        for part in _prefill_passes(new):
             self._prefill_rows(jobs, found, [todo[k] for k in part], out)
         return out  # type: ignore[return-value]
 
@@ -627,23 +627,17 @@ class HFEngine:
             self.stats["prefill_tokens"] += len(tail)
             self.stats["cached_tokens"] += start
             keep = mask[r].nonzero()[:, 0]  # this row's real positions, in order
-            data = [
-                (lay.keys[r : r + 1, :, keep], lay.values[r : r + 1, :, keep])
-                for lay in full.layers
-            ]
+            row = _cache_of(
+                [(lay.keys[r : r + 1, :, keep], lay.values[r : r + 1, :, keep])
+                 for lay in full.layers]
+            )  # fmt: skip
             # rows from the prompt's last token on (one per forced token, then the next)
             rows = logits[r, width - forced - (1 if prompt_new else 0) :]
             if prompt_new:
                 last, rows = rows[:1].clone(), rows[1:]
                 if use:  # views of the row's cache: neither is ever written in place
-                    n_key = len(key)
-                    self._store(
-                        key,
-                        _cache_of([(k[:, :, :n_key], v[:, :, :n_key]) for k, v in data]),
-                        last,
-                        owned=True,
-                    )
-            out[i] = (_cache_of(data), torch.cat([last, rows], dim=0))
+                    self._store(key, _cache_of(_first_positions(row, len(key))), last, owned=True)
+            out[i] = (row, torch.cat([last, rows], dim=0))
 
     def _prefill_shared(self, keys: Sequence[tuple[int, ...]]) -> None:
         """Prefill once the prefix that every prompt of a batched call starts with.
@@ -738,8 +732,7 @@ class HFEngine:
                 ctx,
                 len(prompt),
                 dec.toks[0],
-                [(lay.keys[:, :, :held].clone(), lay.values[:, :, :held].clone())
-                 for lay in cache.layers],
+                [(k.clone(), v.clone()) for k, v in _first_positions(cache, held)],
                 dec.last[0],
             )  # fmt: skip
         return [dec.generation(i, prefix, pre) for i in range(n)]
@@ -764,15 +757,11 @@ class HFEngine:
         """
         if self.prefix_cache_entries <= 0 or len(toks) < 2 or last is None:
             return  # a one-token reply adds nothing to the prompt's own entry
-        key = tuple(ctx + toks[:-1])
-        self._store(key, _cache_of(layers), last[None].clone(), owned=True)
+        reply = _cache_of(layers)
+        self._store(tuple(ctx + toks[:-1]), reply, last[None].clone(), owned=True)
         own = tuple(ctx[:prompt_len])
         if own in self._cache:
-            logits = self._cache[own][1]
-            self._cache[own] = (
-                _cache_of([(k[:, :, :prompt_len], v[:, :, :prompt_len]) for k, v in layers]),
-                logits,
-            )
+            self._cache[own] = (_cache_of(_first_positions(reply, prompt_len)), self._cache[own][1])
 
     def _sample_batch(
         self, jobs: Sequence[tuple[list[int], list[int], int, torch.Generator]], limit: int
