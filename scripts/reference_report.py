@@ -65,6 +65,36 @@ def eval_row(folder: Path) -> dict[str, Any]:
     return {"score": m["score"], "success": m["success"]}
 
 
+def curve_points(out: Path, name: str) -> list[dict[str, Any]]:
+    """Held-out points of run ``name``'s learning curve, by env steps.
+
+    Its evaluated intermediate checkpoints (``eval/<name>@<step>``) and its final
+    checkpoint (``eval/<name>``), each with the env steps and learner tokens spent to
+    reach it.
+    """
+    tdir, ev = out / "train" / name, out / "eval"
+    if not (tdir / "metrics.jsonl").exists():
+        return []
+    lines = _metrics(tdir / "metrics.jsonl")
+    spent, env, tok = {}, 0.0, 0.0
+    for i, d in enumerate(lines, 1):
+        env += d.get("env/steps", 0.0)
+        tok += d.get("tokens/learner", 0.0)
+        spent[int(d.get("step", i))] = (env, tok)
+    found = [(int(p.name.rpartition("@")[2]), p) for p in ev.glob(f"{name}@*")
+             if p.name.rpartition("@")[2].isdigit() and (p / "summary.json").exists()]  # fmt: skip
+    if (ev / name / "summary.json").exists() and spent:
+        found.append((max(spent), ev / name))
+    points = []
+    for step, folder in sorted(found):
+        if step not in spent:  # a checkpoint the copied metrics do not reach
+            continue
+        points.append({"step": step, "env_steps": spent[step][0],
+                       "learner_tokens": spent[step][1], "folder": folder.name,
+                       **eval_row(folder)})  # fmt: skip
+    return points
+
+
 def _iv(m: dict[str, Any], scale: float = 1.0, digits: int = 1) -> str:
     f = f"{{:.{digits}f}}"
     return (
@@ -125,6 +155,26 @@ def write_report(runs: Path, out: Path, *, learners: list[str], seeds: list[int]
             f"{cost['env_steps']:.0f} | {cost['learner_tokens']:.0f} | "
             f"{cost['hours']:.2f} ({cost['cpu_hours']:.2f}) | - |"
         )
+    curve_lines = []
+    for name in runs_:
+        for pt in curve_points(out, name):
+            if pt["folder"] == name:  # the final checkpoint: a row of the table above
+                continue
+            ev_t = timings.get(f"eval-{pt['folder']}")
+            total_cpu += ev_t["cpu_minutes"] / 60 if ev_t else 0.0
+            curve_lines.append(
+                f"| {pt['folder']} | {pt['step']} | {pt['env_steps']:.0f} | "
+                f"{pt['learner_tokens']:.0f} | {_iv(pt['score'])} | "
+                f"{_iv(pt['success'], digits=3)} | "
+                f"{ev_t['minutes'] / 60 if ev_t else float('nan'):.2f} "
+                f"({ev_t['cpu_minutes'] / 60 if ev_t else float('nan'):.2f}) |"
+            )
+    if curve_lines:
+        lines += ["", "Intermediate checkpoints (the learning curves' held-out points; "
+                  "step 0 is the SFT model, the last step the row above):", "",
+                  "| checkpoint | step | env steps | learner tokens | score x100 [95 % CI] | "
+                  "success [95 % CI] | eval hours (CPU h) |", "|---|---|---|---|---|---|---|",
+                  *curve_lines]  # fmt: skip
     sft_dir = out / "train" / "sft"
     if sft_dir.exists():
         c = train_cost(sft_dir)
@@ -166,49 +216,59 @@ def write_report(runs: Path, out: Path, *, learners: list[str], seeds: list[int]
 
 
 def plot_curves(out: Path, learners: list[str], seeds: list[int], rows: dict[str, Any]) -> None:
-    """Training return against env steps and learner tokens; held-out scores at the ends."""
+    """Learning curves against env steps (left) and learner tokens (right).
+
+    The training return of each on-policy batch (top), and held-out success on the
+    protocol's goals (bottom) at step 0 (the SFT model), every evaluated intermediate
+    checkpoint and the final one, with 95 % intervals.
+    """
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     import numpy as np
 
-    fig, axes = plt.subplots(1, 3, figsize=(13, 3.6))
+    fig, axes = plt.subplots(2, 2, figsize=(11, 7), sharex="col")
+    colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    k = 0
     for n in learners:
         for s in seeds:
-            folder = out / "train" / f"{n}-s{s}"
+            name = f"{n}-s{s}"
+            folder = out / "train" / name
             if not (folder / "metrics.jsonl").exists():
                 continue
+            color, k = colors[k % len(colors)], k + 1
             lines = _metrics(folder / "metrics.jsonl")
             env = np.cumsum([d.get("env/steps", 0.0) for d in lines])
-            tok = np.cumsum([d.get("tokens/learner", 0.0) for d in lines])
+            tok = np.cumsum([d.get("tokens/learner", 0.0) for d in lines]) / 1e3
             ret = [d.get("charts/return", np.nan) for d in lines]
-            label = f"{n} s{s}"
-            axes[0].plot(env, ret, marker=".", label=label)
-            axes[1].plot(tok / 1e3, ret, marker=".", label=label)
-            name = f"{n}-s{s}"
-            if name in rows and "sft" in rows:
-                axes[2].errorbar(
-                    [0, env[-1] if len(env) else 0],
-                    [rows["sft"]["score"]["mean"], rows[name]["score"]["mean"]],
-                    yerr=[
-                        [rows["sft"]["score"]["mean"] - rows["sft"]["score"]["low"],
-                         rows[name]["score"]["mean"] - rows[name]["score"]["low"]],
-                        [rows["sft"]["score"]["high"] - rows["sft"]["score"]["mean"],
-                         rows[name]["score"]["high"] - rows[name]["score"]["mean"]],
-                    ],  # fmt: skip
-                    marker="o",
-                    capsize=3,
-                    label=label,
-                )
-    axes[0].set(xlabel="env steps", ylabel="training return (on-policy batch)")
-    axes[1].set(xlabel="learner tokens (thousands)", ylabel="training return")
-    axes[2].set(xlabel="env steps", ylabel="held-out score x100 (200 goals)",
-                title="SFT (0) -> final checkpoint")  # fmt: skip
-    for ax in axes:
+            label = f"{NAMES.get(n, n)} s{s}"
+            axes[0, 0].plot(env, ret, marker=".", color=color, label=label)
+            axes[0, 1].plot(tok, ret, marker=".", color=color, label=label)
+            pts = curve_points(out, name)
+            if not pts or "sft" not in rows:
+                continue
+            held = [{"env_steps": 0.0, "learner_tokens": 0.0, **rows["sft"]}, *pts]
+            sc = [p["success"] for p in held]
+            y = np.array([m["mean"] for m in sc])
+            err = np.array([y - [m["low"] for m in sc], [m["high"] for m in sc] - y])
+            for ax, key, scale in ((axes[1, 0], "env_steps", 1.0),
+                                   (axes[1, 1], "learner_tokens", 1e3)):  # fmt: skip
+                x = np.array([p[key] / scale for p in held])
+                ax.errorbar(x, y, yerr=err, marker="o", capsize=3, color=color, alpha=0.8,
+                            label=label)  # fmt: skip
+    axes[0, 0].set(ylabel="training return (on-policy batch)")
+    axes[1, 0].set(xlabel="env steps", ylabel="held-out success (95 % CI)")
+    axes[1, 1].set(xlabel="learner tokens (thousands)")
+    axes[0, 0].set_title("against env steps", fontsize=10)
+    axes[0, 1].set_title("against learner tokens", fontsize=10)
+    for ax in axes.flat:
         ax.grid(alpha=0.3)
-    axes[0].legend(fontsize=7)
-    fig.tight_layout()
+    handles, labels = axes[0, 0].get_legend_handles_labels()
+    fig.legend(handles, labels, loc="lower center", ncol=4, fontsize=8, frameon=False)
+    fig.suptitle("Learning curves: training return (top), held-out success on the "
+                 "protocol's goals (bottom; 0 = SFT model)", fontsize=10)  # fmt: skip
+    fig.tight_layout(rect=(0, 0.07, 1, 1))
     fig.savefig(out / "curves.png", dpi=110)
     plt.close(fig)
 

@@ -19,10 +19,16 @@ Stages, each a ``branchgym`` command (printed before it runs):
 3. ``eval``: ``branchgym eval`` on the ``webshop-small`` protocol (the first 200 ``test``
    goals, none of them trained on) of the zero-shot model, the SFT model and every
    learner's final checkpoint;
-4. ``report``: the paired comparisons (``branchgym eval compare``: each learner against
-   SFT, Branching PO against GRPO), learning curves and the table, copied with the small
-   result files (metrics, eval episodes and summaries; no weights) to ``--out``, which the
-   repository ships so that ``eval compare`` can put a user's agent beside them.
+4. ``curve``: ``branchgym eval`` of every learner checkpoint kept besides the final one
+   (``keep_checkpoints``: the last two, so one a run on this machine), named
+   ``<run>@<step>``: the held-out points of the learning curves between the SFT model
+   (step 0) and the final checkpoint;
+5. ``report``: the paired comparisons (``branchgym eval compare``: each learner against
+   SFT, Branching PO against GRPO), learning curves (training return, and held-out
+   success at the evaluated checkpoints, against env steps and learner tokens) and the
+   table, copied with the small result files (metrics, eval episodes and summaries; no
+   weights) to ``--out``, which the repository ships so that ``eval compare`` can put a
+   user's agent beside them.
 
 ``--model`` and ``--device`` run the same recipe on another model folder or a GPU
 (``scripts/gpu_learners.py --recipe`` does that with the GPU-sized defaults).
@@ -280,6 +286,22 @@ class Recipe:
             )
         )
 
+    def curve_checkpoints(self, name: str) -> list[Path]:
+        """The checkpoints of finished run ``name`` besides its final one, oldest first.
+
+        The final checkpoint is the run's own evaluation (stage ``eval``); the others are
+        the intermediate points of its learning curve. A run still training has none yet:
+        its checkpoints are pruned as it goes.
+        """
+        run = self.runs / name
+        if not self.train_done(run):
+            return []
+        final = latest_checkpoint(run)
+        kept = sorted(
+            p for p in run.glob("checkpoint-*") if (p / "trainer_state.json").exists()
+        )
+        return [p for p in kept if p != final]
+
     def run_names(self) -> list[str]:
         """``<learner>-s<seed>`` of every learner run asked for."""
         return [f"{n}-s{s}" for n in self.a.learners for s in self.a.seeds]
@@ -366,8 +388,8 @@ def copy_results(recipe: Recipe) -> None:
 def main(argv: list[str] | None = None) -> int:
     """Run the stages that are not done yet."""
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--stages", nargs="+", default=["sft", "train", "eval", "report"],
-                   choices=["sft", "train", "eval", "report"])  # fmt: skip
+    p.add_argument("--stages", nargs="+", default=["sft", "train", "eval", "curve", "report"],
+                   choices=["sft", "train", "eval", "curve", "report"])  # fmt: skip
     p.add_argument("--learners", nargs="+", default=list(LEARNERS), choices=list(LEARNERS))
     p.add_argument("--seeds", nargs="+", type=int, default=[0, 1])
     p.add_argument("--budget", type=int, default=240,
@@ -418,6 +440,13 @@ def main(argv: list[str] | None = None) -> int:
         for name, agent in evals.items():
             if not recipe.eval_done(name, agent):
                 eval_jobs.append((recipe.eval_command(name, agent), logs / f"eval-{name}.log"))
+    if "curve" in a.stages:  # the learning curves' intermediate checkpoints, after the ends
+        for name in recipe.run_names():
+            for ckpt in recipe.curve_checkpoints(name):
+                point = f"{name}@{int(ckpt.name.rpartition('-')[2])}"
+                if not recipe.eval_done(point, str(ckpt)):
+                    eval_jobs.append((recipe.eval_command(point, str(ckpt)),
+                                      logs / f"eval-{point}.log"))  # fmt: skip
     with ThreadPoolExecutor(max_workers=max(1, a.jobs)) as pool:
         list(pool.map(lambda j: run(j[0], j[1], dry), eval_jobs))
     if "report" in a.stages and not dry:

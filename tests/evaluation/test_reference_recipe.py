@@ -45,6 +45,12 @@ def test_the_recipe_runs_every_stage_ships_small_files_and_resumes(tmp_path):
     table = (out / "README.md").read_text()
     assert "| Branching PO (recommended, unbiased) | 0 |" in table and "McNemar" in table
     assert (out / "curves.png").stat().st_size > 10_000
+    # the learning curves' intermediate points: each run's kept checkpoint before its last
+    for name in ("grpo-s0", "bpo_rec-s0"):
+        final = max(int(p.name[-6:]) for p in (tmp_path / "runs" / name).glob("checkpoint-*"))
+        point = json.loads((out / "eval" / f"{name}@{final - 1}" / "summary.json").read_text())
+        assert point["complete"] and point["counts"]["episodes"] == 12, name
+        assert f"| {name}@{final - 1} | {final - 1} |" in table
     # another machine (no runs folder, the shipped results only): the warm start and the
     # learners train again, deterministically, so every shipped evaluation still holds and
     # none is run again; the timings of both sittings add up
@@ -154,3 +160,70 @@ def test_a_retrain_uses_the_shipped_runs_thread_count_and_a_resume_its_own(tmp_p
     (runs / "grpo-s0" / "checkpoint-000001").mkdir(parents=True)
     (runs / "grpo-s0" / "args.json").write_text(json.dumps({"threads": 2}))
     assert threads(recipe.learner_command("grpo", 0)) == ["threads=2"]  # resumes as it began
+
+
+def test_the_curve_stage_scores_kept_checkpoints_of_finished_runs_and_the_report_plots_them(
+    tmp_path,
+):
+    """Stage ``curve`` evaluates the checkpoints a finished run kept besides its final one;
+    the report places each at the env steps and learner tokens spent to reach it."""
+    import argparse
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(
+        "reference_results", SCRIPTS / "reference_results.py"
+    )
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    runs, out = tmp_path / "runs", tmp_path / "out"
+    recipe = mod.Recipe(argparse.Namespace(runs=str(runs), out=str(out), sft_steps=8))
+
+    def checkpoint(name, step, env_steps):
+        ckpt = runs / name / f"checkpoint-{step:06d}"
+        ckpt.mkdir(parents=True)
+        (ckpt / "trainer_state.json").write_text(json.dumps(
+            {"step": step, "env_steps": env_steps, "args": {"steps": 100, "max_env_steps": 240}}
+        ))  # fmt: skip
+        return ckpt
+
+    third = checkpoint("grpo-s0", 3, 180)
+    checkpoint("grpo-s0", 4, 240)  # finished: its final checkpoint is stage eval's
+    checkpoint("bpo_rec-s0", 1, 50)
+    checkpoint("bpo_rec-s0", 2, 100)  # still training: no curve points yet
+    assert recipe.curve_checkpoints("grpo-s0") == [third]
+    assert recipe.curve_checkpoints("bpo_rec-s0") == []
+    assert recipe.curve_checkpoints("rloo-s0") == []  # never run
+
+    sys.path.insert(0, str(SCRIPTS))
+    try:
+        from reference_report import curve_points, write_report
+    finally:
+        sys.path.remove(str(SCRIPTS))
+    train = out / "train" / "grpo-s0"
+    train.mkdir(parents=True)
+    train.joinpath("metrics.jsonl").write_text("".join(
+        json.dumps({"step": i, "env/steps": 60, "tokens/learner": 1000 * i,
+                    "charts/return": 0.5}) + "\n" for i in (1, 2, 3, 4)
+    ))  # fmt: skip
+
+    def scored(name, success):
+        folder = out / "eval" / name
+        folder.mkdir(parents=True)
+        m = {"mean": success, "low": success - 0.05, "high": success + 0.05}
+        score = {k: 100 * v for k, v in m.items()}  # WebShop's score is reported x100
+        folder.joinpath("summary.json").write_text(
+            json.dumps({"metrics": {"score": score, "success": m}})
+        )
+
+    scored("grpo-s0@3", 0.25)
+    scored("grpo-s0", 0.3)
+    points = curve_points(out, "grpo-s0")
+    assert [(p["step"], p["env_steps"], p["learner_tokens"]) for p in points] == [
+        (3, 180, 6000),  # 1000 + 2000 + 3000 tokens
+        (4, 240, 10000),
+    ]
+    assert [p["success"]["mean"] for p in points] == [0.25, 0.3]
+    write_report(runs, out, learners=["grpo"], seeds=[0])  # (no SFT row: nothing to pair)
+    table = (out / "README.md").read_text()
+    assert "| grpo-s0@3 | 3 | 180 | 6000 | 25.0 [20.0, 30.0] | 0.250 [0.200, 0.300] |" in table
+    assert (out / "curves.png").stat().st_size > 10_000
