@@ -20,7 +20,8 @@ Stages, each a ``branchgym`` command (printed before it runs):
    goals, none of them trained on) of the zero-shot model, the SFT model and every
    learner's final checkpoint;
 4. ``curve``: ``branchgym eval`` of every learner checkpoint kept besides the final one
-   (``keep_checkpoints``: the last two, so one a run on this machine), named
+   (``keep_checkpoints``: the last two, so one a run; ``--curve-every N`` keeps every
+   N-th step's too, at 2.4 GB of disk each for SmolLM2), named
    ``<run>@<step>``: the held-out points of the learning curves between the SFT model
    (step 0) and the final checkpoint;
 5. ``report``: the paired comparisons (``branchgym eval compare``: each learner against
@@ -177,6 +178,8 @@ class Recipe:
         threads = self.run_threads(f"{name}-s{seed}") or self.a.threads
         options = {"threads": threads, **COMMON["set"], **spec["set"],
                    "max_env_steps": self.a.budget}  # fmt: skip
+        if getattr(self.a, "curve_every", 0):  # more learning-curve points (stage curve)
+            options["keep_checkpoint_every"] = self.a.curve_every
         fixed = ["--algo", spec["algo"], "--model", str(self.sft_model()),
                  "--steps", str(self.a.max_steps), "--prompts", str(self.a.prompts),
                  "--lr", str(COMMON["lr"]), "--seed", str(seed)]  # fmt: skip
@@ -398,6 +401,9 @@ def main(argv: list[str] | None = None) -> int:
                    help="cap on rollout batches (the budget stops runs first)")  # fmt: skip
     p.add_argument("--sft-steps", type=int, default=SFT["steps"],
                    help="SFT updates (8)")  # fmt: skip
+    p.add_argument("--curve-every", type=int, default=0,
+                   help="keep every N-th learner checkpoint for stage curve to evaluate "
+                   "(0: the kept two only; each SmolLM2 checkpoint is about 2.4 GB)")  # fmt: skip
     p.add_argument("--tasks", type=int, default=None,
                    help="evaluate on the protocol's first N goals only (a deviation: the "
                    "runs' protocol hash says so; for tests and quick looks)")  # fmt: skip

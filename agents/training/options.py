@@ -107,6 +107,10 @@ class TrainArgs:
     a newer one is whole on disk (0: keep every one). A SmolLM2 checkpoint with optimizer,
     float32 masters and reference model is about 2.4 GB: a run that checkpoints every step
     fills a disk otherwise. Crash checkpoints are never deleted."""
+    keep_checkpoint_every: int = 0
+    """With ``keep_checkpoints``, also keep every checkpoint whose step is a multiple of
+    this (0: none): the points of a learning curve, evaluated after the run (the curve
+    stage of ``scripts/reference_results.py``)."""
     save_trees_every: int = 0
     """Save the step's rollout trees with the advantages the update used every this many
     steps, to ``trees/step_NNNNNN.json.gz`` next to metrics.jsonl (0: never); read them

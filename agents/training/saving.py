@@ -106,13 +106,19 @@ class RunSaving:
         return out
 
     def _prune_checkpoints(self) -> None:
-        """Delete regular checkpoints older than the newest ``keep_checkpoints`` (if set)."""
+        """Delete regular checkpoints older than the newest ``keep_checkpoints`` (if set).
+
+        Every ``keep_checkpoint_every``-th step's checkpoint stays (a learning-curve point).
+        """
         keep = self.args.keep_checkpoints
         if keep <= 0:
             return
         import shutil
 
+        every = self.args.keep_checkpoint_every
         for old in complete_checkpoints(self.out_dir)[:-keep]:
+            if every > 0 and int(old.name[len("checkpoint-") :]) % every == 0:
+                continue  # a learning-curve point
             shutil.rmtree(old)
 
     def _save_sharded(self, out: Path) -> Path:

@@ -504,6 +504,11 @@ def test_keep_checkpoints_deletes_older_regular_checkpoints_only(tmp_path):
     assert result.checkpoint == out / "checkpoint-000003"
     every = train("grpo", out_dir=str(tmp_path / "all"), **opts)  # 0: keep every one
     assert len(list(every.checkpoint.parent.glob("checkpoint-*"))) == 3
+    # learning-curve points survive the pruning: every second step's, and the newest two
+    curve = train("grpo", out_dir=str(tmp_path / "curve"), keep_checkpoints=2,
+                  keep_checkpoint_every=2, **{**opts, "steps": 6})  # fmt: skip
+    names = sorted(p.name[-2:] for p in curve.checkpoint.parent.glob("checkpoint-*"))
+    assert names == ["02", "04", "05", "06"]
 
 
 def test_checkpoint_errors(tmp_path):

@@ -160,6 +160,9 @@ def test_a_retrain_uses_the_shipped_runs_thread_count_and_a_resume_its_own(tmp_p
     (runs / "grpo-s0" / "checkpoint-000001").mkdir(parents=True)
     (runs / "grpo-s0" / "args.json").write_text(json.dumps({"threads": 2}))
     assert threads(recipe.learner_command("grpo", 0)) == ["threads=2"]  # resumes as it began
+    assert not [x for x in recipe.learner_command("grpo", 0) if "keep_checkpoint_every" in x]
+    args.curve_every = 3  # more learning-curve points: every third step's checkpoint stays
+    assert "keep_checkpoint_every=3" in recipe.learner_command("grpo", 0)
 
 
 def test_the_curve_stage_scores_kept_checkpoints_of_finished_runs_and_the_report_plots_them(
