@@ -192,7 +192,7 @@ class Recipe:
                "--no-progress", "--out", str(out)]  # fmt: skip
         if self.a.tasks:  # a deviation (tests, a quick look): the report says so
             cmd += ["--tasks", str(self.a.tasks)]
-        if agent not in ("expert", "random"):  # a model: the scoring policy, in bfloat16
+        if agent not in ("expert", "random"):  # a model: the scoring policy, in --eval-dtype
             cmd += ["--policy", "scoring", "--dtype", self.a.eval_dtype,
                     "--threads", str(self.a.threads)]  # fmt: skip
         if (out / "run.json").exists():
@@ -411,8 +411,10 @@ def main(argv: list[str] | None = None) -> int:
                    help="prompts per learner step (2)")  # fmt: skip
     p.add_argument("--model", default="smollm2", help="the model to warm-start (smollm2)")
     p.add_argument("--device", default="auto")
-    p.add_argument("--eval-dtype", default="bfloat16", choices=("float32", "bfloat16"),
-                   help="weight type of the models while evaluated (bfloat16)")  # fmt: skip
+    # float32: every shipped evaluation ran in it (those asking for bfloat16 too: until
+    # 2026-12-07 the engine cast the weights back), so new points stay comparable
+    p.add_argument("--eval-dtype", default="float32", choices=("float32", "bfloat16"),
+                   help="weight type of the models while evaluated (float32)")  # fmt: skip
     p.add_argument("--jobs", type=int, default=2, help="runs at once (2)")
     p.add_argument("--threads", type=int, default=1, help="torch threads per run (1)")
     p.add_argument("--runs", default="runs/reference", help="where runs and checkpoints go")

@@ -248,7 +248,10 @@ def _model_agent(
     import torch
 
     model, tok = load_model(source, dtype=getattr(torch, dtype))
-    engine = HFEngine(model, tok, max_new_tokens=max_new_tokens, threads=threads)
+    # the engine's own default (float32 on a CPU) would cast a bfloat16 model back
+    engine = HFEngine(
+        model, tok, max_new_tokens=max_new_tokens, threads=threads, dtype=getattr(torch, dtype)
+    )
     if policy == "scoring":
         acting: Any = ScoringPolicy(engine, template=template)
     else:

@@ -339,6 +339,19 @@ def tiny_agent_policy() -> str:
     return make_agent("tiny", "branchgym/TextTreeMDP-v0", max_new_tokens=8).config["policy"]
 
 
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_a_model_agent_acts_in_the_dtype_its_configuration_records(dtype):
+    """--dtype bfloat16 was recorded in the agent's configuration while the engine cast the
+    weights back to float32 (its CPU default): every such evaluation ran in float32."""
+    torch = pytest.importorskip("torch")
+    for policy in ("generate", "scoring"):
+        agent = make_agent("tiny", "branchgym/TextTreeMDP-v0", max_new_tokens=8,
+                           policy=policy, dtype=dtype)  # fmt: skip
+        weights = {p.dtype for p in agent.policy.engine.model.parameters()}
+        assert weights == {getattr(torch, dtype)}, (policy, weights)
+        assert agent.config.get("dtype", "float32") == dtype
+
+
 @pytest.mark.slow
 def test_model_folders_and_train_checkpoints_generate_through_the_engine(tmp_path):
     pytest.importorskip("torch")
