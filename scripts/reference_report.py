@@ -191,6 +191,8 @@ def write_report(runs: Path, out: Path, *, learners: list[str], seeds: list[int]
             pairs.append((f"{n}-s{s}", "sft"))
     for s in seeds:
         pairs.append((f"bpo_rec-s{s}", f"grpo-s{s}"))
+    for s in seeds:  # the source's claim for Bellman PO is against GRPO too
+        pairs.append((f"bellman_po-s{s}", f"grpo-s{s}"))
     lines += ["", "| A vs B (paired by goal) | score A - B [95 % CI] | success A - B [95 % CI] "
               "| McNemar p (success) |", "|---|---|---|---|"]  # fmt: skip
     for a, b in pairs:
