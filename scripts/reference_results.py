@@ -50,7 +50,11 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
-from branchgym.agents.training.checkpoints import latest_checkpoint
+from branchgym.agents.training.checkpoints import (
+    checkpoint_step,
+    complete_checkpoints,
+    latest_checkpoint,
+)
 
 ENV_ID = "branchgym/WebShop-v0"
 #: The training env: WebShop's train goals, the protocol's 6-step cap.
@@ -297,13 +301,7 @@ class Recipe:
         its checkpoints are pruned as it goes.
         """
         run = self.runs / name
-        if not self.train_done(run):
-            return []
-        final = latest_checkpoint(run)
-        kept = sorted(
-            p for p in run.glob("checkpoint-*") if (p / "trainer_state.json").exists()
-        )
-        return [p for p in kept if p != final]
+        return complete_checkpoints(run)[:-1] if self.train_done(run) else []
 
     def run_names(self) -> list[str]:
         """``<learner>-s<seed>`` of every learner run asked for."""
@@ -451,7 +449,7 @@ def main(argv: list[str] | None = None) -> int:
     if "curve" in a.stages:  # the learning curves' intermediate checkpoints, after the ends
         for name in recipe.run_names():
             for ckpt in recipe.curve_checkpoints(name):
-                point = f"{name}@{int(ckpt.name.rpartition('-')[2])}"
+                point = f"{name}@{checkpoint_step(ckpt)}"
                 if not recipe.eval_done(point, str(ckpt)):
                     eval_jobs.append((recipe.eval_command(point, str(ckpt)),
                                       logs / f"eval-{point}.log"))  # fmt: skip

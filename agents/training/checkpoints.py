@@ -108,6 +108,11 @@ def complete_checkpoints(run_dir: str | Path) -> list[Path]:
     )  # fmt: skip
 
 
+def checkpoint_step(folder: str | Path) -> int:
+    """The step of a complete ``checkpoint-NNNNNN`` folder (from its name)."""
+    return int(Path(folder).name[len("checkpoint-") :])
+
+
 def latest_checkpoint(run_dir: str | Path) -> Path | None:
     """The newest complete ``checkpoint-NNNNNN`` of a run folder, or None."""
     done = complete_checkpoints(run_dir)

@@ -18,6 +18,7 @@ from typing import Any
 from branchgym.agents.training.checkpoints import (
     CHECKPOINT_VERSION,
     check_finite,
+    checkpoint_step,
     complete_checkpoints,
     file_digests,
     json_default,
@@ -117,7 +118,7 @@ class RunSaving:
 
         every = self.args.keep_checkpoint_every
         for old in complete_checkpoints(self.out_dir)[:-keep]:
-            if every > 0 and int(old.name[len("checkpoint-") :]) % every == 0:
+            if every > 0 and checkpoint_step(old) % every == 0:
                 continue  # a learning-curve point
             shutil.rmtree(old)
 

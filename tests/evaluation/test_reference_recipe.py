@@ -14,6 +14,18 @@ pytest.importorskip("transformers")
 SCRIPTS = Path(__file__).resolve().parents[2] / "scripts"
 
 
+def recipe_module():
+    """scripts/reference_results.py as a module (it is a script, not a package)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(
+        "reference_results", SCRIPTS / "reference_results.py"
+    )
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
 def recipe(tmp_path, *extra):
     cmd = [sys.executable, str(SCRIPTS / "reference_results.py"), "--model", "tiny",
            "--device", "cpu", "--budget", "60", "--prompts", "1", "--seeds", "0",
@@ -83,14 +95,9 @@ def test_the_recipe_runs_every_stage_ships_small_files_and_resumes(tmp_path):
 
 def test_every_learner_of_the_recipe_accepts_its_options():
     """Each learner's options build its Args (the RLOO entry once asked GRPO for rloo)."""
-    import importlib.util
-
     from branchgym.agents.train import make_args
 
-    path = SCRIPTS / "reference_results.py"
-    spec = importlib.util.spec_from_file_location("reference_results", path)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
+    mod = recipe_module()
     assert set(mod.LEARNERS) == {"grpo", "rloo", "bpo_rec", "bellman_po"}
     for name, conf in mod.LEARNERS.items():
         options = {k: str(v) for k, v in {**mod.COMMON["set"], **conf["set"]}.items()}
@@ -103,13 +110,8 @@ def test_results_of_a_run_still_training_do_not_replace_the_shipped_ones(tmp_pat
     """The report copies a learner run's files only once it finished: a retrain under way
     (its checkpoint short of the budget) had emptied a shipped run's metrics."""
     import argparse
-    import importlib.util
 
-    spec = importlib.util.spec_from_file_location(
-        "reference_results", SCRIPTS / "reference_results.py"
-    )
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
+    mod = recipe_module()
     runs, out = tmp_path / "runs", tmp_path / "out"
     recipe = mod.Recipe(argparse.Namespace(runs=str(runs), out=str(out), sft_steps=8))
     shipped = out / "train" / "bellman_po-s0" / "metrics.jsonl"
@@ -138,13 +140,8 @@ def test_results_of_a_run_still_training_do_not_replace_the_shipped_ones(tmp_pat
 def test_a_retrain_uses_the_shipped_runs_thread_count_and_a_resume_its_own(tmp_path):
     """bfloat16 sums depend on the thread count: a retrain on another count is another run."""
     import argparse
-    import importlib.util
 
-    spec = importlib.util.spec_from_file_location(
-        "reference_results", SCRIPTS / "reference_results.py"
-    )
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
+    mod = recipe_module()
     runs, out = tmp_path / "runs", tmp_path / "out"
     args = argparse.Namespace(runs=str(runs), out=str(out), sft_steps=8, threads=2, jobs=1,
                               device="cpu", budget=240, max_steps=100, prompts=2)  # fmt: skip
@@ -171,13 +168,8 @@ def test_the_curve_stage_scores_kept_checkpoints_of_finished_runs_and_the_report
     """Stage ``curve`` evaluates the checkpoints a finished run kept besides its final one;
     the report places each at the env steps and learner tokens spent to reach it."""
     import argparse
-    import importlib.util
 
-    spec = importlib.util.spec_from_file_location(
-        "reference_results", SCRIPTS / "reference_results.py"
-    )
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
+    mod = recipe_module()
     runs, out = tmp_path / "runs", tmp_path / "out"
     recipe = mod.Recipe(argparse.Namespace(runs=str(runs), out=str(out), sft_steps=8))
 
@@ -193,6 +185,9 @@ def test_the_curve_stage_scores_kept_checkpoints_of_finished_runs_and_the_report
     checkpoint("grpo-s0", 4, 240)  # finished: its final checkpoint is stage eval's
     checkpoint("bpo_rec-s0", 1, 50)
     checkpoint("bpo_rec-s0", 2, 100)  # still training: no curve points yet
+    crash = runs / "grpo-s0" / "checkpoint-000002-crash"  # not a complete checkpoint
+    crash.mkdir()
+    (crash / "trainer_state.json").write_text("{}")
     assert recipe.curve_checkpoints("grpo-s0") == [third]
     assert recipe.curve_checkpoints("bpo_rec-s0") == []
     assert recipe.curve_checkpoints("rloo-s0") == []  # never run
