@@ -178,7 +178,17 @@ def test_room_cache_holds_what_a_dynamic_cache_holds():
         for a, b in zip(got, want, strict=True):
             assert torch.equal(a, b)
         assert room.get_seq_length() == plain.get_seq_length()
-    idx = torch.tensor([2, 0])
+    # kept rows in order (a decode dropping stopped rows) move within the buffers;
+    # any other order gathers a copy: both hold what a DynamicLayer holds
+    buffer = room.buf_k.data_ptr()
+    idx = torch.tensor([1, 2])
+    room.batch_select_indices(idx)
+    plain.batch_select_indices(idx)
+    assert room.buf_k.data_ptr() == buffer
+    assert torch.equal(room.keys, plain.keys) and torch.equal(room.values, plain.values)
+    room.batch_repeat_interleave(2)
+    plain.batch_repeat_interleave(2)
+    idx = torch.tensor([3, 0, 1])
     room.batch_select_indices(idx)
     plain.batch_select_indices(idx)
     room.batch_repeat_interleave(2)
@@ -186,7 +196,7 @@ def test_room_cache_holds_what_a_dynamic_cache_holds():
     room.crop(-3)
     plain.crop(-3)
     assert torch.equal(room.keys, plain.keys) and torch.equal(room.values, plain.values)
-    k, v = torch.ones(4, 2, 1, 5), torch.zeros(4, 2, 1, 5)
+    k, v = torch.ones(6, 2, 1, 5), torch.zeros(6, 2, 1, 5)
     assert torch.equal(room.update(k, v)[0], plain.update(k, v)[0])
 
 
