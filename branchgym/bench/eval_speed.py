@@ -11,15 +11,20 @@ The same agent (SmolLM2-135M-Instruct by default, through
   threads, episodes and tree files written as they end.
 
 Both run after one warm-up episode, in the same process, one after the other, so the
-ratio of their episodes per hour is measured under the same load. Reported: wall
-seconds, episodes per hour, env steps, generated tokens, and the engine's prefilled and
-prefix-cached tokens of each, and the speed-up.
-This study measures and prints; it asserts nothing.
+ratio of their episodes per hour is measured under the same load. Each timed run starts
+from an empty prefix cache (what the run before it left there would otherwise hand it
+the same tasks' first prompts for free). ``--repeats R`` measures R pairs, the order
+alternating (plain first, then batched first), so a drift in the machine's speed or an
+order effect shows up as a spread of the R ratios rather than in one of them; the
+report gives every pair's ratio and their median. Reported: wall seconds, episodes per
+hour, env steps, generated tokens, and the engine's prefilled and prefix-cached tokens
+of each run, and the speed-ups. This study measures and prints; it asserts nothing.
 """
 
 from __future__ import annotations
 
 import argparse
+import statistics
 import tempfile
 import time
 from pathlib import Path
@@ -48,6 +53,10 @@ def configure(parser: argparse.ArgumentParser) -> None:
         "--dtype", choices=("float32", "bfloat16"), default="float32",
         help="the model's weight type (float32)",
     )  # fmt: skip
+    parser.add_argument(
+        "--repeats", type=positive_int, default=1,
+        help="pairs of runs, the order alternating; the report gives each ratio and the median (1)",
+    )  # fmt: skip
     parser.add_argument("--out", default="results", help="report folder")
 
 
@@ -60,6 +69,14 @@ def _counted(agent, before: dict[str, int], run: dict[str, float]) -> dict[str, 
     """``run`` with the engine counters it added."""
     after = _engine_stats(agent)
     return {**run, **{k: after[k] - before.get(k, 0) for k in after}}
+
+
+def _cold(agent) -> dict[str, int]:
+    """Empty the agent's prefix cache (if it has an engine); its counters before the run."""
+    engine = getattr(agent.policy, "engine", None)
+    if engine is not None and hasattr(engine, "clear_cache"):
+        engine.clear_cache()
+    return _engine_stats(agent)
 
 
 def _plain_loop(protocol, agent, seed: int) -> dict[str, float]:
@@ -98,40 +115,62 @@ def main(args: argparse.Namespace) -> int:
                        dtype=args.dtype)  # fmt: skip
     warm = get_protocol(args.protocol).resolve(tasks=1, max_steps=args.max_steps)
     _plain_loop(warm, agent, seed=99)  # loads kernels and caches for both runs
-    before = _engine_stats(agent)
-    plain = _counted(agent, before, _plain_loop(protocol, agent, seed=0))
-    before = _engine_stats(agent)
-    with tempfile.TemporaryDirectory(prefix="bench_eval_") as tmp:
-        t0 = time.perf_counter()
-        summary = run_eval(protocol, agent, Path(tmp) / "run",
-                           EvalOptions(max_envs=args.max_envs, progress=False))  # fmt: skip
-        seconds = time.perf_counter() - t0
-    batched = {
-        "seconds": seconds,
-        "env_steps": summary["cost"]["env_steps"],
-        "tokens": summary["cost"]["generated_tokens"],
-    }
-    batched = _counted(agent, before, batched)
+
+    def plain_run() -> dict[str, float]:
+        before = _cold(agent)
+        return _counted(agent, before, _plain_loop(protocol, agent, seed=0))
+
+    def batched_run() -> dict[str, float]:
+        before = _cold(agent)
+        with tempfile.TemporaryDirectory(prefix="bench_eval_") as tmp:
+            t0 = time.perf_counter()
+            summary = run_eval(protocol, agent, Path(tmp) / "run",
+                               EvalOptions(max_envs=args.max_envs, progress=False))  # fmt: skip
+            seconds = time.perf_counter() - t0
+        run = {"seconds": seconds, "env_steps": summary["cost"]["env_steps"],
+               "tokens": summary["cost"]["generated_tokens"]}  # fmt: skip
+        return _counted(agent, before, run)
+
+    pairs = []
+    for i in range(args.repeats):  # plain first in even pairs, batched first in odd ones
+        if i % 2 == 0:
+            plain = plain_run()
+            batched = batched_run()
+        else:
+            batched = batched_run()
+            plain = plain_run()
+        order = "batched first" if i % 2 else "plain first"
+        ratio = plain["seconds"] / batched["seconds"]
+        pairs.append({"plain": plain, "batched": batched, "order": order, "speedup": ratio})
     n = len(protocol.tasks)
     rows = []
-    for label, m in (("plain loop, one episode at a time", plain),
-                     (f"branchgym eval, {args.max_envs} envs, lockstep", batched)):  # fmt: skip
-        rows.append([label, n, f"{m['seconds']:.1f}", f"{3600 * n / m['seconds']:.0f}",
-                     m["env_steps"], m["tokens"], f"{m['tokens'] / m['seconds']:.1f}",
-                     m.get("prefill_tokens", "-"), m.get("cached_tokens", "-")])  # fmt: skip
-    speedup = plain["seconds"] / batched["seconds"]
+    for i, pair in enumerate(pairs, 1):
+        batched_label = f"branchgym eval, {args.max_envs} envs, lockstep"
+        for label, m in (("plain loop, one episode at a time", pair["plain"]),
+                         (batched_label, pair["batched"])):  # fmt: skip
+            rows.append([f"{i} ({pair['order']})", label, n, f"{m['seconds']:.1f}",
+                         f"{3600 * n / m['seconds']:.0f}", m["env_steps"], m["tokens"],
+                         f"{m['tokens'] / m['seconds']:.1f}", m.get("prefill_tokens", "-"),
+                         m.get("cached_tokens", "-")])  # fmt: skip
+    ratios = [pair["speedup"] for pair in pairs]
+    speedup = statistics.median(ratios)
     report = Report(args.out, "eval", "branchgym bench eval")
     report.add(
         f"Agent {args.model} (HFEngine, {args.dtype}, {args.max_new_tokens} tokens per action, "
         f"temperature 1) on {protocol.name} ({n} tasks, step cap {protocol.max_steps}); the "
-        "same tasks and seeds both ways, after one warm-up episode."
+        "same tasks and seeds both ways, after one warm-up episode, each run from an empty "
+        "prefix cache."
     )
-    print(report.table(["run", "episodes", "seconds", "episodes/hour", "env steps",
+    print(report.table(["pair", "run", "episodes", "seconds", "episodes/hour", "env steps",
                         "generated tokens", "tokens/s", "prefilled tokens",
                         "cached tokens"], rows))  # fmt: skip
+    each = ", ".join(f"{r:.2f}x" for r in ratios)
     line = f"speed-up of branchgym eval over the plain loop: {speedup:.2f}x episodes per hour"
+    if len(ratios) > 1:
+        line += f" (median of {len(ratios)} pairs: {each})"
     print(line)
     report.add(line)
-    report.data = {"args": vars(args), "plain": plain, "batched": batched, "speedup": speedup}
+    report.data = {"args": vars(args), "pairs": pairs, "ratios": ratios, "speedup": speedup,
+                   "plain": pairs[0]["plain"], "batched": pairs[0]["batched"]}  # fmt: skip
     print(f"report: {report.save()}")
     return 0
