@@ -144,8 +144,8 @@ def main(args: argparse.Namespace) -> int:
         pairs.append({"plain": plain, "batched": batched, "order": order, "speedup": ratio})
     n = len(protocol.tasks)
     rows = []
+    batched_label = f"branchgym eval, {args.max_envs} envs, lockstep"
     for i, pair in enumerate(pairs, 1):
-        batched_label = f"branchgym eval, {args.max_envs} envs, lockstep"
         for label, m in (("plain loop, one episode at a time", pair["plain"]),
                          (batched_label, pair["batched"])):  # fmt: skip
             rows.append([f"{i} ({pair['order']})", label, n, f"{m['seconds']:.1f}",
