@@ -61,6 +61,10 @@ STUDIES: dict[str, tuple[str, str]] = {
         "branchgym.bench.eval_speed",
         "branchgym eval's lockstep batches vs a plain one-episode loop: episodes per hour",
     ),
+    "linear": (
+        "branchgym.bench.linear",
+        "a float32 linear layer on MKL (PyTorch's default) vs oneDNN (HFEngine's), per shape",
+    ),
     "eval-states": (
         "branchgym.bench.eval_states",
         "two agents compared from identical snapshots vs independent runs: interval widths",

@@ -18,7 +18,10 @@ alternating (plain first, then batched first), so a drift in the machine's speed
 order effect shows up as a spread of the R ratios rather than in one of them; the
 report gives every pair's ratio and their median. Reported: wall seconds, episodes per
 hour, env steps, generated tokens, and the engine's prefilled and prefix-cached tokens
-of each run, and the speed-ups. This study measures and prints; it asserts nothing.
+of each run, and the speed-ups. ``--linear mkl`` runs both ways with PyTorch's default
+float32 linear layers instead of the engine's oneDNN ones
+(:mod:`branchgym.agents.engines.linear`), to see what that choice is worth on a machine.
+This study measures and prints; it asserts nothing.
 """
 
 from __future__ import annotations
@@ -52,6 +55,10 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--dtype", choices=("float32", "bfloat16"), default="float32",
         help="the model's weight type (float32)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--linear", choices=("onednn", "mkl"), default="onednn",
+        help="float32 linear layers on oneDNN (the engine's default) or MKL (PyTorch's)",
     )  # fmt: skip
     parser.add_argument(
         "--repeats", type=positive_int, default=1,
@@ -113,6 +120,9 @@ def main(args: argparse.Namespace) -> int:
     agent = make_agent(args.model, protocol.env_id, max_new_tokens=args.max_new_tokens,
                        threads=args.threads, policy="generate",  # batched decoding
                        dtype=args.dtype)  # fmt: skip
+    engine = getattr(agent.policy, "engine", None)
+    if engine is not None and hasattr(engine, "onednn_linear"):
+        engine.onednn_linear = args.linear == "onednn"
     warm = get_protocol(args.protocol).resolve(tasks=1, max_steps=args.max_steps)
     _plain_loop(warm, agent, seed=99)  # loads kernels and caches for both runs
 
@@ -156,7 +166,8 @@ def main(args: argparse.Namespace) -> int:
     speedup = statistics.median(ratios)
     report = Report(args.out, "eval", "branchgym bench eval")
     report.add(
-        f"Agent {args.model} (HFEngine, {args.dtype}, {args.max_new_tokens} tokens per action, "
+        f"Agent {args.model} (HFEngine, {args.dtype}, linear layers on {args.linear}, "
+        f"{args.max_new_tokens} tokens per action, "
         f"temperature 1) on {protocol.name} ({n} tasks, step cap {protocol.max_steps}); the "
         "same tasks and seeds both ways, after one warm-up episode, each run from an empty "
         "prefix cache."
