@@ -147,6 +147,33 @@ def provenance() -> dict[str, Any]:
     }
 
 
+def engine_facts(agent: Agent) -> dict[str, Any] | None:
+    """How a model agent's engine computes: class, device, dtype, torch threads, linear kernels.
+
+    Provenance, not configuration: none of it enters the agent's config hash (the same
+    float32 arithmetic on other kernels or thread counts differs in summation order only).
+    None for agents without an engine.
+    """
+    engine = getattr(agent.policy, "engine", None)
+    if engine is None:
+        return None
+    facts: dict[str, Any] = {"class": type(engine).__name__}
+    model = getattr(engine, "model", None)
+    param = next(iter(model.parameters()), None) if hasattr(model, "parameters") else None
+    if param is not None:
+        facts.update(device=str(param.device), dtype=str(param.dtype).removeprefix("torch."))
+    if hasattr(engine, "onednn_linear"):
+        import torch
+
+        from branchgym.agents.engines.linear import onednn_available
+
+        f32_cpu = facts.get("device") == "cpu" and facts.get("dtype") == "float32"
+        onednn = engine.onednn_linear and f32_cpu and onednn_available()
+        facts["linear"] = "onednn" if onednn else "torch default"
+        facts["torch_threads"] = torch.get_num_threads()
+    return facts
+
+
 # ---------------------------------------------------------------- files
 def _write_json(path: Path, doc: dict[str, Any]) -> None:
     tmp = path.with_name(f".{path.name}.{os.getpid()}.partial")
@@ -494,7 +521,7 @@ def run_eval(
         "limits": {"max_steps": protocol.max_steps, "episode_timeout_s": opts.episode_timeout_s,
                    "max_episode_tokens": opts.max_episode_tokens},  # fmt: skip
         "concurrency": {"max_envs": opts.max_envs, "executor": opts.executor},
-        "provenance": provenance(),
+        "provenance": {**provenance(), "engine": engine_facts(agent)},
         "started": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
     }
     if (out / "run.json").exists():

@@ -444,3 +444,21 @@ def test_branchgym_eval_through_a_real_endpoint(tmp_path, smollm2_server, capsys
     eps = read_episodes(out / "episodes.jsonl")
     assert all(e["generated_tokens"] is None for e in eps.values())  # counted run-wide
     assert "completion tokens by the endpoint's own count" in (out / "report.md").read_text()
+
+
+def test_a_model_run_records_how_its_engine_computes(tmp_path):
+    pytest.importorskip("torch")
+    from branchgym.agents.engines.linear import onednn_available
+    from branchgym.evaluation.runner import engine_facts
+
+    proto = get_protocol("texttree-ci").resolve(tasks=1, max_steps=2)
+    agent = make_agent("tiny", proto.env_id, max_new_tokens=4, policy="generate")
+    s = run_eval(proto, agent, tmp_path / "run", EvalOptions(progress=False))
+    facts = s["provenance"]["engine"]
+    assert facts["class"] == "HFEngine" and facts["device"] == "cpu"
+    assert facts["dtype"] == "float32" and facts["torch_threads"] >= 1
+    assert facts["linear"] == ("onednn" if onednn_available() else "torch default")
+    assert "engine" not in agent.config  # provenance only: the config hash is unchanged
+    agent.policy.engine.onednn_linear = False
+    assert engine_facts(agent)["linear"] == "torch default"
+    assert engine_facts(make_agent("random", proto.env_id)) is None
