@@ -36,7 +36,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["onednn_available", "onednn_linear"]
+__all__ = ["onednn_applies", "onednn_available", "onednn_linear"]
 
 #: Set on a model while :func:`onednn_linear` runs it (nested entries do nothing).
 _MARK = "_branchgym_onednn_linear"
@@ -46,6 +46,20 @@ def onednn_available() -> bool:
     """Whether this PyTorch build has oneDNN's CPU linear op."""
     ops = getattr(torch.ops, "mkldnn", None)
     return bool(torch.backends.mkldnn.is_available()) and hasattr(ops, "_linear_pointwise")
+
+
+def onednn_applies(model: Any, enabled: bool = True) -> bool:
+    """Whether :func:`onednn_linear` would move ``model``'s float32 layers to oneDNN.
+
+    True for an enabled ``nn.Module`` on a CPU with a PyTorch build that has the op.
+    """
+    device = getattr(model, "device", torch.device("cpu"))
+    return (
+        enabled
+        and isinstance(model, torch.nn.Module)
+        and torch.device(device).type == "cpu"
+        and onednn_available()
+    )
 
 
 def _forward(self: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
@@ -69,14 +83,7 @@ def onednn_linear(model: Any, enabled: bool = True) -> Iterator[None]:
     device, or inside an outer ``onednn_linear`` of the same model. The layers get their
     own forward back on exit, also after an error.
     """
-    device = getattr(model, "device", torch.device("cpu"))
-    if (
-        not enabled
-        or not isinstance(model, torch.nn.Module)
-        or getattr(model, _MARK, False)
-        or torch.device(device).type != "cpu"
-        or not onednn_available()
-    ):
+    if getattr(model, _MARK, False) or not onednn_applies(model, enabled):
         yield
         return
     layers = [m for m in model.modules() if type(m) is torch.nn.Linear]

@@ -14,10 +14,8 @@ product. This study measures and prints; it asserts nothing.
 from __future__ import annotations
 
 import argparse
-import statistics
-import time
 
-from branchgym.bench.common import Report, positive_int
+from branchgym.bench.common import Report, positive_int, time_calls
 
 __all__ = ["configure", "main"]
 
@@ -41,15 +39,13 @@ def configure(parser: argparse.ArgumentParser) -> None:
 
 def _time(fn, weights, repeats: int) -> float:
     """Median seconds of one call of ``fn(w)``, over ``repeats`` rounds of every weight."""
-    for w in weights:
-        fn(w)
-    per_call = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
+
+    def one_round() -> None:  # returns nothing: time_calls keeps each call's result
         for w in weights:
             fn(w)
-        per_call.append((time.perf_counter() - t0) / len(weights))
-    return statistics.median(per_call)
+
+    timing, _ = time_calls(one_round, repeats)
+    return timing.median_ms / 1e3 / len(weights)
 
 
 def main(args: argparse.Namespace) -> int:

@@ -165,10 +165,9 @@ def engine_facts(agent: Agent) -> dict[str, Any] | None:
     if hasattr(engine, "onednn_linear"):
         import torch
 
-        from branchgym.agents.engines.linear import onednn_available
+        from branchgym.agents.engines.linear import onednn_applies
 
-        f32_cpu = facts.get("device") == "cpu" and facts.get("dtype") == "float32"
-        onednn = engine.onednn_linear and f32_cpu and onednn_available()
+        onednn = facts.get("dtype") == "float32" and onednn_applies(model, engine.onednn_linear)
         facts["linear"] = "onednn" if onednn else "torch default"
         facts["torch_threads"] = torch.get_num_threads()
     return facts
